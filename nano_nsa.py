@@ -1,0 +1,902 @@
+"""nano-nsa: DeepSeek-V3.2 inference in one readable file.
+
+Part 1, the model (read top to bottom): Config -> checkpoint format (writer + loader) -> building blocks
+(FP8 linear, RMSNorm, YaRN RoPE, Hadamard) -> lightning indexer -> MLA (prefill and absorbed decode form) ->
+MoE -> Block -> Transformer -> MTP layer. It computes what DeepSeek's official `inference/model.py` computes
+(../shared/docs/dsv32_spec.md is the specification); where it deliberately differs, a one-line comment says why.
+Part 2, the engine: paged KV cache, scheduler, MTP speculative decoding, the CLI.
+
+Dimension legend used in shape comments:
+  T tokens (rows) in the forward pass   B requests in the batch   N context positions of a request
+  H attention heads   D qk_nope_head_dim (128)   R qk_rope_head_dim (64)   V v_head_dim (128)
+  C kv_lora_rank (512)   I indexer heads (64)   J index_head_dim (128)   K index_topk (2048)
+  E routed experts   A activated experts per token   S slots in the KV pool
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+import zlib
+from dataclasses import dataclass, fields
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+BLOCK = 128                      # FP8 block size: 128x128 weight blocks, 1x128 activation groups
+FP8 = torch.float8_e4m3fn
+FP8_MAX = 448.0
+BF16 = torch.bfloat16
+
+
+# ------------------------------------------------------------------------------------------------------------
+# Config
+# ------------------------------------------------------------------------------------------------------------
+@dataclass
+class Config:
+    """Every field the model uses; names follow DeepSeek's reference `ModelArgs` (HF names in from_json)."""
+    vocab_size: int = 129280
+    dim: int = 7168                  # hidden_size
+    inter_dim: int = 18432           # dense MLP of the first n_dense_layers layers
+    moe_inter_dim: int = 2048        # each routed / shared expert
+    n_layers: int = 61               # main-model layers; the MTP layers follow at index n_layers
+    n_dense_layers: int = 3          # first_k_dense_replace
+    n_mtp_layers: int = 1            # num_nextn_predict_layers
+    n_heads: int = 128
+    n_routed_experts: int = 256
+    n_shared_experts: int = 1
+    n_activated_experts: int = 8     # num_experts_per_tok
+    n_expert_groups: int = 8         # n_group
+    n_limited_groups: int = 4        # topk_group
+    route_scale: float = 2.5         # routed_scaling_factor
+    q_lora_rank: int = 1536
+    kv_lora_rank: int = 512
+    qk_nope_head_dim: int = 128
+    qk_rope_head_dim: int = 64
+    v_head_dim: int = 128
+    index_n_heads: int = 64
+    index_head_dim: int = 128
+    index_topk: int = 2048
+    rope_theta: float = 10000.0
+    rope_factor: float = 40.0        # YaRN
+    original_seq_len: int = 4096     # YaRN original_max_position_embeddings
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    mscale: float = 1.0
+    max_seq_len: int = 163840        # max_position_embeddings
+    eps: float = 1e-6                # rms_norm_eps (also the indexer LayerNorm eps)
+    bos_token_id: int = 0
+    eos_token_id: int = 1
+
+    def __post_init__(self):
+        assert self.n_dense_layers <= self.n_layers, "more dense layers than layers"
+        assert self.n_routed_experts % self.n_expert_groups == 0, "experts must split evenly into groups"
+        assert self.n_routed_experts // self.n_expert_groups >= 2, "group score is the sum of the top-2 experts"
+        assert self.n_limited_groups <= self.n_expert_groups and self.n_activated_experts <= \
+            self.n_limited_groups * (self.n_routed_experts // self.n_expert_groups), "top-k larger than kept groups"
+        for name in ("dim", "q_lora_rank", "kv_lora_rank", "inter_dim", "moe_inter_dim"):
+            assert getattr(self, name) % BLOCK == 0, f"{name} must be a multiple of {BLOCK} (FP8 activation groups)"
+        assert self.n_heads * self.v_head_dim % BLOCK == 0, "o_proj input must be a multiple of 128"
+        assert self.index_head_dim == BLOCK, "indexer heads are one 128-wide FP8 group each (Hadamard 128)"
+        assert self.qk_rope_head_dim % 2 == 0 and self.qk_rope_head_dim <= self.index_head_dim
+        assert self.index_topk >= 1 and self.max_seq_len > self.original_seq_len
+
+    @property
+    def qk_head_dim(self):
+        return self.qk_nope_head_dim + self.qk_rope_head_dim
+
+    @property
+    def softmax_scale(self):
+        """MLA softmax scale: qk_head_dim^-0.5 times the YaRN mscale squared (0.13523 for the 671B model)."""
+        m = 0.1 * self.mscale * math.log(self.rope_factor) + 1.0
+        return self.qk_head_dim ** -0.5 * m * m
+
+    # HF config.json name -> our name (only the names that differ)
+    HF_NAMES = dict(hidden_size="dim", intermediate_size="inter_dim", moe_intermediate_size="moe_inter_dim",
+                    num_hidden_layers="n_layers", first_k_dense_replace="n_dense_layers",
+                    num_nextn_predict_layers="n_mtp_layers", num_attention_heads="n_heads",
+                    num_experts_per_tok="n_activated_experts", n_group="n_expert_groups",
+                    topk_group="n_limited_groups", routed_scaling_factor="route_scale",
+                    max_position_embeddings="max_seq_len", rms_norm_eps="eps")
+    ROPE_NAMES = dict(factor="rope_factor", original_max_position_embeddings="original_seq_len",
+                      beta_fast="beta_fast", beta_slow="beta_slow", mscale="mscale")
+
+    @classmethod
+    def from_json(cls, path):
+        """Build from an HF DeepSeek-V3.2 `config.json` (a file or the directory holding it)."""
+        if os.path.isdir(path):
+            path = os.path.join(path, "config.json")
+        if not os.path.isfile(path):
+            raise ValueError(f"no config.json at {path}")
+        with open(path) as f:
+            hf = json.load(f)
+        if hf.get("model_type") != "deepseek_v32" and "DeepseekV32ForCausalLM" not in hf.get("architectures", []):
+            raise ValueError(f"{path} is not a DeepSeek-V3.2 config (model_type={hf.get('model_type')!r})")
+        want = dict(scoring_func="sigmoid", topk_method="noaux_tc", hidden_act="silu", norm_topk_prob=True,
+                    tie_word_embeddings=False)
+        for k, v in want.items():
+            if k in hf and hf[k] != v:
+                raise ValueError(f"{path}: {k}={hf[k]!r} is not supported (DeepSeek-V3.2 uses {v!r})")
+        q = hf.get("quantization_config", {})
+        if q.get("quant_method") != "fp8" or q.get("fmt", "e4m3") != "e4m3" or \
+                list(q.get("weight_block_size", [])) != [BLOCK, BLOCK]:
+            raise ValueError(f"{path}: expected quantization_config fp8 e4m3 with weight_block_size [128, 128]")
+        names = {f.name for f in fields(cls)}
+        kw = {cls.HF_NAMES.get(k, k): v for k, v in hf.items() if cls.HF_NAMES.get(k, k) in names}
+        rope = hf.get("rope_scaling") or {}
+        if rope.get("type", rope.get("rope_type")) != "yarn":
+            raise ValueError(f"{path}: expected rope_scaling of type yarn")
+        kw.update({ours: rope[k] for k, ours in cls.ROPE_NAMES.items() if k in rope})
+        try:
+            return cls(**kw)
+        except (AssertionError, TypeError) as e:
+            raise ValueError(f"{path}: invalid DeepSeek-V3.2 config: {e}") from None
+
+    def to_hf(self):
+        """The HF config.json dict, in the official checkpoint's layout."""
+        inv = {v: k for k, v in self.HF_NAMES.items()}
+        rope_keys = set(self.ROPE_NAMES.values())
+        hf = dict(architectures=["DeepseekV32ForCausalLM"], model_type="deepseek_v32",
+                  transformers_version="4.44.2", num_key_value_heads=self.n_heads, attention_bias=False,
+                  attention_dropout=0.0, moe_layer_freq=1, scoring_func="sigmoid", topk_method="noaux_tc",
+                  norm_topk_prob=True, ep_size=1, hidden_act="silu", initializer_range=0.02,
+                  tie_word_embeddings=False, torch_dtype="bfloat16", use_cache=True)
+        for f in fields(self):
+            if f.name not in rope_keys:
+                hf[inv.get(f.name, f.name)] = getattr(self, f.name)
+        hf["rope_scaling"] = dict(type="yarn", mscale_all_dim=self.mscale,
+                                  **{k: getattr(self, ours) for k, ours in self.ROPE_NAMES.items()})
+        hf["quantization_config"] = dict(quant_method="fp8", fmt="e4m3", activation_scheme="dynamic",
+                                         weight_block_size=[BLOCK, BLOCK], scale_fmt="ue8m0")
+        return hf
+
+    @classmethod
+    def full(cls, n_layers=61):
+        """The 671B shapes; n_layers < 61 gives the full-width, few-layer model used for GPU benchmarks."""
+        return cls(n_layers=n_layers, n_dense_layers=min(3, max(1, n_layers - 1)))
+
+    @classmethod
+    def tiny(cls, **kw):
+        """A few layers (first one dense), 8 experts in 4 groups, small dims, index_topk=32: for CPU tests."""
+        base = dict(vocab_size=288, dim=256, inter_dim=512, moe_inter_dim=128, n_layers=3, n_dense_layers=1,
+                    n_heads=4, n_routed_experts=8, n_activated_experts=2, n_expert_groups=4, n_limited_groups=2,
+                    q_lora_rank=128, kv_lora_rank=256, qk_nope_head_dim=32, v_head_dim=32, index_n_heads=4,
+                    index_topk=32)
+        return cls(**{**base, **kw})
+
+
+# ------------------------------------------------------------------------------------------------------------
+# Checkpoint format: the official HF names, shapes and dtypes (spec section 2)
+# ------------------------------------------------------------------------------------------------------------
+# kinds: "fp8" = float8_e4m3fn weight + float32 `weight_scale_inv` per 128x128 block; "bf16" = plain bf16 matrix;
+# "norm" = norm weight (bf16, or fp32 in some conversions); "f32" = fp32 vector (router bias).
+ALLOWED_DTYPES = {"fp8": (FP8,), "scale": (torch.float32,), "bf16": (BF16,), "norm": (BF16, torch.float32),
+                  "f32": (torch.float32,)}
+
+
+def _layer_tensors(cfg: Config, i: int, moe: bool):
+    p = f"model.layers.{i}."
+    H, q_dim = cfg.n_heads, cfg.n_heads * cfg.qk_head_dim
+    t = {p + "input_layernorm.weight": ([cfg.dim], "norm"),
+         p + "self_attn.q_a_proj.weight": ([cfg.q_lora_rank, cfg.dim], "fp8"),
+         p + "self_attn.q_a_layernorm.weight": ([cfg.q_lora_rank], "norm"),
+         p + "self_attn.q_b_proj.weight": ([q_dim, cfg.q_lora_rank], "fp8"),
+         p + "self_attn.kv_a_proj_with_mqa.weight": ([cfg.kv_lora_rank + cfg.qk_rope_head_dim, cfg.dim], "fp8"),
+         p + "self_attn.kv_a_layernorm.weight": ([cfg.kv_lora_rank], "norm"),
+         p + "self_attn.kv_b_proj.weight": ([H * (cfg.qk_nope_head_dim + cfg.v_head_dim), cfg.kv_lora_rank], "fp8"),
+         p + "self_attn.o_proj.weight": ([cfg.dim, H * cfg.v_head_dim], "fp8"),
+         p + "self_attn.indexer.wq_b.weight": ([cfg.index_n_heads * cfg.index_head_dim, cfg.q_lora_rank], "fp8"),
+         p + "self_attn.indexer.wk.weight": ([cfg.index_head_dim, cfg.dim], "fp8"),
+         p + "self_attn.indexer.k_norm.weight": ([cfg.index_head_dim], "norm"),
+         p + "self_attn.indexer.k_norm.bias": ([cfg.index_head_dim], "norm"),
+         p + "self_attn.indexer.weights_proj.weight": ([cfg.index_n_heads, cfg.dim], "bf16"),
+         p + "post_attention_layernorm.weight": ([cfg.dim], "norm")}
+    mlps = {}
+    if moe:
+        t[p + "mlp.gate.weight"] = ([cfg.n_routed_experts, cfg.dim], "bf16")
+        t[p + "mlp.gate.e_score_correction_bias"] = ([cfg.n_routed_experts], "f32")
+        mlps.update({f"mlp.experts.{e}.": cfg.moe_inter_dim for e in range(cfg.n_routed_experts)})
+        mlps["mlp.shared_experts."] = cfg.moe_inter_dim * cfg.n_shared_experts
+    else:
+        mlps["mlp."] = cfg.inter_dim
+    for m, inter in mlps.items():
+        t[p + m + "gate_proj.weight"] = ([inter, cfg.dim], "fp8")
+        t[p + m + "up_proj.weight"] = ([inter, cfg.dim], "fp8")
+        t[p + m + "down_proj.weight"] = ([cfg.dim, inter], "fp8")
+    return t
+
+
+def checkpoint_tensors(cfg: Config):
+    """{HF tensor name: (shape, kind)} for every tensor of the official checkpoint, scales included."""
+    t = {"model.embed_tokens.weight": ([cfg.vocab_size, cfg.dim], "bf16")}
+    for i in range(cfg.n_layers + cfg.n_mtp_layers):
+        if i >= cfg.n_layers:   # MTP layer (spec 2.3): its own embedding/head copies, norms, eh_proj, a MoE block
+            p = f"model.layers.{i}."
+            t.update({p + "embed_tokens.weight": ([cfg.vocab_size, cfg.dim], "bf16"),
+                      p + "enorm.weight": ([cfg.dim], "norm"), p + "hnorm.weight": ([cfg.dim], "norm"),
+                      p + "eh_proj.weight": ([cfg.dim, 2 * cfg.dim], "bf16"),
+                      p + "shared_head.norm.weight": ([cfg.dim], "norm"),
+                      p + "shared_head.head.weight": ([cfg.vocab_size, cfg.dim], "bf16")})
+        t.update(_layer_tensors(cfg, i, moe=i >= cfg.n_dense_layers))
+    t["model.norm.weight"] = ([cfg.dim], "norm")
+    t["lm_head.weight"] = ([cfg.vocab_size, cfg.dim], "bf16")
+    for name, (shape, kind) in list(t.items()):
+        if kind == "fp8":
+            t[name + "_scale_inv"] = ([-(-shape[0] // BLOCK), -(-shape[1] // BLOCK)], "scale")
+    return t
+
+
+# HF name -> our module name, in one place (the reference's convert.py mapping, plus the MTP layer)
+HF_TO_OURS = {"embed_tokens": "embed", "input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm",
+              "q_a_proj": "wq_a", "q_a_layernorm": "q_norm", "q_b_proj": "wq_b", "kv_a_proj_with_mqa": "wkv_a",
+              "kv_a_layernorm": "kv_norm", "kv_b_proj": "wkv_b", "o_proj": "wo", "gate_proj": "w1",
+              "down_proj": "w2", "up_proj": "w3", "lm_head": "head", "self_attn": "attn", "mlp": "ffn",
+              "weight_scale_inv": "scale", "e_score_correction_bias": "bias"}
+
+
+def ours_name(cfg: Config, hf_name: str) -> str:
+    parts = hf_name.removeprefix("model.").split(".")
+    if parts[0] == "layers" and int(parts[1]) >= cfg.n_layers:       # MTP layer: its decoder block is `block`
+        parts = ["mtp", str(int(parts[1]) - cfg.n_layers)] + ([] if parts[2] in MTP_OWN else ["block"]) + parts[2:]
+    return ".".join(HF_TO_OURS.get(p, p) for p in parts)
+
+
+def quantize_weight(w: torch.Tensor):
+    """fp32 [out, in] -> (float8_e4m3fn weight, float32 scale_inv [ceil(out/128), ceil(in/128)]), pow2 scales."""
+    out_f, in_f = w.shape
+    ro, ri = -(-out_f // BLOCK), -(-in_f // BLOCK)
+    pad = F.pad(w.float(), (0, ri * BLOCK - in_f, 0, ro * BLOCK - out_f))
+    amax = pad.view(ro, BLOCK, ri, BLOCK).abs().amax(dim=(1, 3)).clamp(min=1e-4)
+    scale = pow2_ceil(amax / FP8_MAX)                                   # ue8m0: scales are powers of two
+    q = (w / scale.repeat_interleave(BLOCK, 0)[:out_f].repeat_interleave(BLOCK, 1)[:, :in_f]).to(FP8)
+    return q, scale
+
+
+def weight_dequant(w: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """W[r, c] = fp8 W8[r, c] * scale_inv[r // 128, c // 128], in fp32 (exact: fp8 has a 4-bit significand)."""
+    out_f, in_f = w.shape
+    s = scale.repeat_interleave(BLOCK, 0)[:out_f].repeat_interleave(BLOCK, 1)[:, :in_f]
+    return w.float() * s
+
+
+def random_weight(name: str, shape, kind: str, seed: int) -> torch.Tensor:
+    """The reproducible fp32 source of one checkpoint tensor, scaled so activations stay O(1) through layers."""
+    g = torch.Generator().manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
+    x = torch.randn(shape, generator=g)
+    if kind == "norm":
+        return (1.0 + 0.1 * x) if name.endswith("weight") else 0.1 * x      # LayerNorm bias is small
+    if kind == "f32":
+        return 0.05 * x                                                    # router bias: selection only
+    if "embed_tokens" in name:
+        return x
+    return x * shape[1] ** -0.5                                             # unit-gain projections
+
+
+def save_random_checkpoint(path, config: Config, seed: int = 0, shard_bytes: int = 4 << 30, tokenizer=True):
+    """Write a random-weight DeepSeek-V3.2 checkpoint in exactly the official HF layout (config.json with
+    quantization_config, sharded safetensors + index json, FP8 weights with pow2 128x128 block scales)."""
+    from safetensors.torch import save_file
+    from tqdm import tqdm
+    os.makedirs(path, exist_ok=True)
+    with open(os.path.join(path, "config.json"), "w") as f:
+        json.dump(config.to_hf(), f, indent=2)
+    with open(os.path.join(path, "generation_config.json"), "w") as f:
+        json.dump(dict(bos_token_id=config.bos_token_id, eos_token_id=config.eos_token_id, do_sample=True,
+                       temperature=1.0, top_p=0.95), f, indent=2)
+    if tokenizer:
+        write_byte_tokenizer(path, config.vocab_size)
+    spec = {k: v for k, v in checkpoint_tensors(config).items() if v[1] != "scale"}
+    shards, cur, cur_bytes, total = [], {}, 0, 0
+    for name, (shape, kind) in tqdm(spec.items(), desc="writing checkpoint", unit="tensor", leave=False):
+        w = random_weight(name, shape, kind, seed)
+        if kind == "fp8":
+            q, s = quantize_weight(w)
+            new = {name: q, name + "_scale_inv": s}
+        else:
+            new = {name: w.to(torch.float32 if kind == "f32" or name.endswith("k_norm.weight") or
+                              name.endswith("k_norm.bias") else BF16)}
+        for k, v in new.items():
+            cur[k] = v.contiguous()
+            cur_bytes += v.numel() * v.element_size()
+        if cur_bytes >= shard_bytes:
+            shards.append(cur)
+            total += cur_bytes
+            cur, cur_bytes = {}, 0
+            _flush(path, shards, save_file)
+    if cur:
+        shards.append(cur)
+        total += cur_bytes
+        _flush(path, shards, save_file)
+    n = len(shards)
+    weight_map = {}
+    for i, shard in enumerate(shards):
+        fname = f"model-{i + 1:05d}-of-{n:05d}.safetensors"
+        os.replace(os.path.join(path, f".shard{i}.tmp"), os.path.join(path, fname))
+        weight_map.update({k: fname for k in shard})
+    with open(os.path.join(path, "model.safetensors.index.json"), "w") as f:
+        json.dump({"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}, f, indent=2)
+
+
+def _flush(path, shards, save_file):
+    """Write the newest shard to a temporary name and keep only its tensor names in memory."""
+    i = len(shards) - 1
+    save_file(shards[i], os.path.join(path, f".shard{i}.tmp"), metadata={"format": "pt"})
+    shards[i] = dict.fromkeys(shards[i])
+
+
+# ------------------------------------------------------------------------------------------------------------
+# Building blocks: FP8 activation quantization and linear, norms, YaRN RoPE, Hadamard
+# ------------------------------------------------------------------------------------------------------------
+def pow2_ceil(x: torch.Tensor) -> torch.Tensor:
+    """Smallest power of two >= x (x > 0), exactly (the reference's exponent bit trick, via frexp)."""
+    m, e = torch.frexp(x)                                                   # x = m * 2^e, m in [0.5, 1)
+    return torch.ldexp(torch.ones_like(x), torch.where(m == 0.5, e - 1, e))
+
+
+def act_quant(x: torch.Tensor):
+    """Per-row, per-128-column FP8 quantization with power-of-two (ue8m0) scales, as the reference `act_quant`:
+    x [..., n] bf16 -> (q [..., n] float8_e4m3fn, s [..., n/128] float32) with x ~= q * s."""
+    g = x.float().unflatten(-1, (-1, BLOCK))                                # [..., n/128, 128]
+    amax = g.abs().amax(-1).clamp(min=1e-4)
+    s = pow2_ceil(amax * torch.tensor(1 / FP8_MAX, dtype=torch.float32))  # fp32 constant, as in the kernel
+    q = (g / s[..., None]).clamp(-FP8_MAX, FP8_MAX).to(FP8)                 # round to nearest even
+    return q.flatten(-2), s
+
+
+def act_dequant(q: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
+    """q [..., n] fp8, s [..., n/128] -> fp32 values (exact)."""
+    return (q.float().unflatten(-1, (-1, BLOCK)) * s[..., None]).flatten(-2)
+
+
+def acc_dtype(x: torch.Tensor):
+    """Accumulation dtype of matmuls: fp32 as the reference on GPU. On CPU fp64, the exact limit of any fp32
+    summation order: results then do not depend on batch shape, so engine modes can be compared token for token."""
+    return torch.float64 if x.device.type == "cpu" else torch.float32
+
+
+def fp8_linear(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """y = act_quant(x) @ W^T for a block-scaled FP8 weight (the reference `fp8_gemm`), bf16 out.
+    With pow2 scales both operands are exact in fp32, so an fp32 GEMM equals the reference up to summation order."""
+    xq = act_dequant(*act_quant(x))                                         # never skip: 3-bit mantissa error
+    acc = acc_dtype(x)
+    return F.linear(xq.to(acc), weight_dequant(w, scale).to(acc)).to(BF16)
+
+
+def fp8_round_trip(x: torch.Tensor) -> torch.Tensor:
+    """x -> dequant(act_quant(x)) in bf16: how [R] simulates the FP8 latent cache."""
+    return act_dequant(*act_quant(x)).to(BF16)
+
+
+class Linear(nn.Module):
+    """x W^T. fp8=True: float8_e4m3fn weight + float32 `scale` per 128x128 block; else a plain `dtype` weight."""
+    def __init__(self, in_features, out_features, fp8=True, dtype=BF16):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(out_features, in_features, dtype=FP8 if fp8 else dtype),
+                                   requires_grad=False)
+        self.scale = nn.Parameter(torch.empty(-(-out_features // BLOCK), -(-in_features // BLOCK),
+                                              dtype=torch.float32), requires_grad=False) if fp8 else None
+
+    def forward(self, x):
+        if self.scale is not None:
+            return fp8_linear(x, self.weight, self.scale)
+        acc = acc_dtype(x)
+        return F.linear(x.to(acc), self.weight.to(acc)).float()             # fp32 out; callers round if needed
+
+
+class RMSNorm(nn.Module):
+    """RMSNorm in fp32 with an fp32 weight. With `residual`: adds it first (fp32), and returns the new residual
+    stream rounded to bf16, as the reference's fused form."""
+    def __init__(self, dim, eps):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.empty(dim, dtype=torch.float32), requires_grad=False)
+
+    def forward(self, x, residual=None):
+        x = x.float() if residual is None else x.float() + residual.float()
+        y = (self.weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps))).to(BF16)
+        return y if residual is None else (y, x.to(BF16))
+
+
+class LayerNorm(nn.Module):
+    """LayerNorm with weight and bias (the indexer's k_norm), fp32 math, bf16 out."""
+    def __init__(self, dim, eps):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.empty(dim, dtype=torch.float32), requires_grad=False)
+        self.bias = nn.Parameter(torch.empty(dim, dtype=torch.float32), requires_grad=False)
+
+    def forward(self, x):
+        return F.layer_norm(x.float(), x.shape[-1:], self.weight, self.bias, self.eps).to(BF16)
+
+
+class Embedding(nn.Module):
+    def __init__(self, vocab, dim):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(vocab, dim, dtype=BF16), requires_grad=False)
+
+    def forward(self, tokens):
+        return F.embedding(tokens, self.weight)
+
+
+def yarn_freqs(cfg: Config) -> torch.Tensor:
+    """YaRN-corrected inverse frequencies f'_i, fp32 [R/2] (spec 3.5): low dims unchanged, high dims / factor."""
+    d, base = cfg.qk_rope_head_dim, cfg.rope_theta
+    freqs = 1.0 / (base ** (torch.arange(0, d, 2, dtype=torch.float32) / d))
+    corr = lambda n: d * math.log(cfg.original_seq_len / (n * 2 * math.pi)) / (2 * math.log(base))  # noqa: E731
+    low, high = max(math.floor(corr(cfg.beta_fast)), 0), min(math.ceil(corr(cfg.beta_slow)), d - 1)
+    ramp = ((torch.arange(d // 2, dtype=torch.float32) - low) / (high - low if high > low else 0.001)).clamp(0, 1)
+    return freqs / cfg.rope_factor * ramp + freqs * (1 - ramp)
+
+
+def rope_cos_sin(cfg: Config, positions: torch.Tensor):
+    """cos/sin of theta[t, i] = fp32(t) * f'_i, each [T, R/2] fp32. (mscale goes into the softmax scale only.)"""
+    theta = positions.float()[:, None] * yarn_freqs(cfg).to(positions.device)[None, :]
+    return theta.cos(), theta.sin()
+
+
+def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: bool) -> torch.Tensor:
+    """Rotate x [T, ..., R] by position. interleaved (MLA): pairs (x[2i], x[2i+1]); half-split (indexer):
+    pairs (x[i], x[i + R/2]). fp32 math, bf16 out."""
+    x = x.float()
+    x1, x2 = (x[..., 0::2], x[..., 1::2]) if interleaved else x.chunk(2, dim=-1)
+    shape = (cos.shape[0],) + (1,) * (x.dim() - 2) + (cos.shape[1],)       # broadcast over heads
+    cos, sin = cos.view(shape), sin.view(shape)
+    o1, o2 = x1 * cos - x2 * sin, x1 * sin + x2 * cos
+    out = torch.stack((o1, o2), -1).flatten(-2) if interleaved else torch.cat((o1, o2), -1)
+    return out.to(BF16)
+
+
+def hadamard(x: torch.Tensor) -> torch.Tensor:
+    """Walsh-Hadamard transform over the last dim in Sylvester order, scaled by n^-0.5 (x @ H_n / sqrt(n));
+    fp32 math, bf16 in/out. Orthogonal: it keeps dot products and spreads outliers before FP8 quantization."""
+    n = x.shape[-1]
+    y, h = x.float(), 1
+    while h < n:                                       # butterfly: pairs (i, i + h) inside blocks of 2h
+        y = y.unflatten(-1, (n // (2 * h), 2, h))
+        y = torch.stack((y[..., 0, :] + y[..., 1, :], y[..., 0, :] - y[..., 1, :]), dim=-2).flatten(-3)
+        h *= 2
+    return (y * n ** -0.5).to(BF16)
+
+
+# ------------------------------------------------------------------------------------------------------------
+# Forward metadata and the per-layer cache view
+# ------------------------------------------------------------------------------------------------------------
+@dataclass
+class Meta:
+    """Everything a forward pass needs to know about its batch; built once per step, shared by every layer.
+    mode 'prefill': rows are chunks of prompts (MLA in per-head form); 'decode' / 'verify': every row is its own
+    decode query with its own causal length (absorbed MLA), one row per request or k+1 rows per request."""
+    mode: str
+    positions: torch.Tensor      # [T] absolute position of each row's token
+    slots: torch.Tensor          # [T] KV-pool slot the row's token is written to
+    row_req: torch.Tensor        # [T] request (row of `table`) each row belongs to
+    table: torch.Tensor          # [B, N] KV-pool slot of every context position of each request (page size 1)
+    ctx_lens: torch.Tensor       # [T] causal length of each row = position + 1
+    cu_seqlens: list             # [B + 1] host: row offsets of each request
+
+    @classmethod
+    def build(cls, mode, starts, lens, table):
+        """Request b has rows for positions starts[b] .. starts[b] + lens[b] - 1."""
+        dev = table.device
+        positions = torch.cat([torch.arange(s, s + n) for s, n in zip(starts, lens)]).to(dev)
+        row_req = torch.repeat_interleave(torch.arange(len(lens)), torch.tensor(lens)).to(dev)
+        cu = [0]
+        for n in lens:
+            cu.append(cu[-1] + n)
+        return cls(mode, positions, table[row_req, positions], row_req, table, positions + 1, cu)
+
+
+@dataclass
+class LayerCache:
+    kv: torch.Tensor             # [S, C] bf16  normalized latent, FP8-rounded
+    pe: torch.Tensor             # [S, R] bf16  rope key (shared by all heads)
+    ik: torch.Tensor             # [S, J] fp8   indexer key
+    iks: torch.Tensor            # [S]    fp32  indexer key scale
+
+
+# ------------------------------------------------------------------------------------------------------------
+# Lightning indexer (DSA): picks the top-K context positions for every query row (spec 3.7)
+# ------------------------------------------------------------------------------------------------------------
+def index_scores(q8, w, k8, ks):
+    """I[t, n] = ks[n] * sum_h w[t, h] * relu(q8[t, h] . k8[n]), fp32 (the reference `fp8_index`).
+    q8 [T, I, J] fp8; w [T, I] fp32 (head weight with the q scale folded in); k8 [T or 1, N, J]; ks [T or 1, N]."""
+    acc = acc_dtype(q8)
+    logits = torch.matmul(q8.to(acc), k8.to(acc).transpose(-1, -2))        # [T, I, N] fp8 products, exact sums
+    return ((logits.relu() * w[..., None]).sum(1) * ks).float()            # [T, N] fp32
+
+
+def topk_positions(scores, ctx_lens, k):
+    """Top-min(k, N) positions of each row among its causal context (n < ctx_lens[t]); -1 pads short rows."""
+    n = torch.arange(scores.shape[-1], device=scores.device)
+    scores = scores.masked_fill(n[None, :] >= ctx_lens[:, None], float("-inf"))   # causal mask before top-k
+    # Ties (exact zeros from the ReLU are common) go to the earliest position, whatever the batch shape: the
+    # reference's torch.topk breaks them in an implementation-defined order.
+    idx = scores.sort(dim=-1, descending=True, stable=True).indices[:, :min(k, scores.shape[-1])]
+    return torch.where(idx < ctx_lens[:, None], idx, -1)
+
+
+class Indexer(nn.Module):
+    def __init__(self, cfg: Config):
+        super().__init__()
+        self.cfg = cfg
+        self.wq_b = Linear(cfg.q_lora_rank, cfg.index_n_heads * cfg.index_head_dim)
+        self.wk = Linear(cfg.dim, cfg.index_head_dim)
+        self.k_norm = LayerNorm(cfg.index_head_dim, cfg.eps)
+        self.weights_proj = Linear(cfg.dim, cfg.index_n_heads, fp8=False, dtype=torch.float32)
+
+    def forward(self, x, qr, cos, sin, meta: Meta, cache: LayerCache):
+        """-> [T, min(K, N)] selected context positions per row (-1 = none). Writes this pass's keys first,
+        so every row can select its own token."""
+        cfg, T, R = self.cfg, x.shape[0], self.cfg.qk_rope_head_dim
+        q = self.wq_b(qr).view(T, cfg.index_n_heads, cfg.index_head_dim)                  # [T, I, J]
+        q = torch.cat([rope(q[..., :R], cos, sin, interleaved=False), q[..., R:]], -1)   # rope on the FIRST R dims
+        k = self.k_norm(self.wk(x))                                                       # [T, J]
+        k = torch.cat([rope(k[..., :R], cos, sin, interleaved=False), k[..., R:]], -1)
+        q8, qs = act_quant(hadamard(q))                  # [T, I, J] fp8, [T, I, 1]: one scale per head vector
+        k8, ks = act_quant(hadamard(k))                  # [T, J] fp8, [T, 1]
+        cache.ik[meta.slots], cache.iks[meta.slots] = k8, ks[:, 0]
+        w = self.weights_proj(x) * cfg.index_n_heads ** -0.5 * qs[..., 0] * cfg.index_head_dim ** -0.5  # [T, I]
+        if meta.mode == "prefill":                       # a prompt chunk's rows share their request's keys
+            out = []
+            for b in range(len(meta.cu_seqlens) - 1):
+                r = slice(meta.cu_seqlens[b], meta.cu_seqlens[b + 1])
+                ctx = meta.table[b, :int(meta.ctx_lens[r].max())]                         # [N] slots
+                s = index_scores(q8[r], w[r], cache.ik[ctx][None], cache.iks[ctx][None])
+                out.append(topk_positions(s, meta.ctx_lens[r], cfg.index_topk))
+            width = max(o.shape[1] for o in out)
+            return torch.cat([F.pad(o, (0, width - o.shape[1]), value=-1) for o in out])
+        ctx = meta.table[meta.row_req, :int(meta.ctx_lens.max())]     # decode/verify: flattened rows [T, N]
+        s = index_scores(q8, w, cache.ik[ctx], cache.iks[ctx])
+        return topk_positions(s, meta.ctx_lens, cfg.index_topk)
+
+
+# ------------------------------------------------------------------------------------------------------------
+# MLA: multi-head latent attention over the indexer's selection (spec 3.6, 3.8)
+# ------------------------------------------------------------------------------------------------------------
+def sparse_mla_decode(q_abs, q_pe, kv_cache, pe_cache, slots, scale):
+    """Absorbed ("MQA") sparse attention, one query row per token. Readable reference of the GPU kernel.
+    q_abs [T, H, C] (q_nope already multiplied into the latent space), q_pe [T, H, R];
+    kv_cache [S, C], pe_cache [S, R]; slots [T, K] the selected KV-pool slots (-1 = none) -> o_lat [T, H, C] fp32."""
+    valid, acc = slots >= 0, acc_dtype(q_abs)
+    kv, pe = kv_cache[slots.clamp(min=0)].to(acc), pe_cache[slots.clamp(min=0)].to(acc)   # [T, K, C], [T, K, R]
+    scores = (q_abs.to(acc) @ kv.transpose(1, 2) + q_pe.to(acc) @ pe.transpose(1, 2)) * scale  # [T, H, K]
+    p = scores.masked_fill(~valid[:, None, :], float("-inf")).softmax(-1)
+    return (p @ kv).float()                                                                # [T, H, C]
+
+
+class MLA(nn.Module):
+    def __init__(self, cfg: Config):
+        super().__init__()
+        self.cfg = cfg
+        H = cfg.n_heads
+        self.wq_a = Linear(cfg.dim, cfg.q_lora_rank)
+        self.q_norm = RMSNorm(cfg.q_lora_rank, cfg.eps)
+        self.wq_b = Linear(cfg.q_lora_rank, H * cfg.qk_head_dim)
+        self.wkv_a = Linear(cfg.dim, cfg.kv_lora_rank + cfg.qk_rope_head_dim)
+        self.kv_norm = RMSNorm(cfg.kv_lora_rank, cfg.eps)
+        self.wkv_b = Linear(cfg.kv_lora_rank, H * (cfg.qk_nope_head_dim + cfg.v_head_dim))
+        self.wo = Linear(H * cfg.v_head_dim, cfg.dim)
+        self.indexer = Indexer(cfg)
+
+    def forward(self, x, cos, sin, meta: Meta, cache: LayerCache):
+        cfg, T = self.cfg, x.shape[0]
+        H, D, R, C, V = cfg.n_heads, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.kv_lora_rank, cfg.v_head_dim
+        qr = self.q_norm(self.wq_a(x))                                   # [T, q_lora]; shared with the indexer
+        q_nope, q_pe = self.wq_b(qr).view(T, H, D + R).split([D, R], -1)  # [T, H, D], [T, H, R]
+        q_pe = rope(q_pe, cos, sin, interleaved=True)
+        kv, k_pe = self.wkv_a(x).split([C, R], -1)                       # [T, C], [T, R]
+        cache.kv[meta.slots] = fp8_round_trip(self.kv_norm(kv))          # the latent is cached as FP8 ([R] simulates it)
+        cache.pe[meta.slots] = rope(k_pe, cos, sin, interleaved=True)
+        sel = self.indexer(x, qr, cos, sin, meta, cache)                 # [T, K'] context positions, -1 = none
+        wkv_b = weight_dequant(self.wkv_b.weight, self.wkv_b.scale).view(H, D + V, C).to(acc_dtype(x))
+        # Attention math in fp32 (the reference rounds its intermediates to bf16): fused kernels keep fp32 too, and
+        # it makes the per-head and absorbed forms the same function up to fp32 summation order.
+        if meta.mode == "prefill":
+            o = torch.cat([self.attend_per_head(q_nope[r], q_pe[r], wkv_b, sel[r], meta.table[b], cache)
+                           for b, r in enumerate(_request_rows(meta))])
+        else:
+            q_abs = torch.einsum("thd,hdc->thc", q_nope.to(wkv_b.dtype), wkv_b[:, :D])  # absorb W_UK: [T, H, C]
+            slots = torch.where(sel >= 0, meta.table[meta.row_req[:, None], sel.clamp(min=0)], -1)
+            o_lat = sparse_mla_decode(q_abs, q_pe, cache.kv, cache.pe, slots, cfg.softmax_scale)
+            o = torch.einsum("thc,hvc->thv", o_lat.to(wkv_b.dtype), wkv_b[:, D:])         # absorb W_UV: [T, H, V]
+        return self.wo(o.to(BF16).flatten(1))
+
+    def attend_per_head(self, q_nope, q_pe, wkv_b, sel, table_row, cache):
+        """Prefill ("MHA") form for one request's rows: expand the context's latents to per-head keys/values."""
+        D, acc = self.cfg.qk_nope_head_dim, wkv_b.dtype
+        ctx = table_row[:int(sel.max()) + 1]                                     # [N] slots of positions 0..N-1
+        kvf = torch.einsum("nc,hec->nhe", cache.kv[ctx].to(acc), wkv_b)          # [N, H, D + V]
+        k = torch.cat([kvf[..., :D], cache.pe[ctx].to(acc)[:, None, :].expand(-1, kvf.shape[1], -1)], -1)
+        scores = torch.einsum("shd,nhd->shn", torch.cat([q_nope, q_pe], -1).to(acc), k) * self.cfg.softmax_scale
+        mask = torch.full((sel.shape[0], ctx.shape[0] + 1), float("-inf"), device=sel.device, dtype=acc)
+        mask.scatter_(1, torch.where(sel >= 0, sel, ctx.shape[0]), 0.0)          # -1 -> a spare last column
+        p = (scores + mask[:, None, :-1]).softmax(-1)                            # [S, H, N]
+        return torch.einsum("shn,nhv->shv", p, kvf[..., D:])                     # [S, H, V]
+
+
+def _request_rows(meta: Meta):
+    return [slice(a, b) for a, b in zip(meta.cu_seqlens[:-1], meta.cu_seqlens[1:])]
+
+
+# ------------------------------------------------------------------------------------------------------------
+# Feed-forward: SwiGLU MLP and the sigmoid-routed, group-limited MoE (spec 3.4, 3.9)
+# ------------------------------------------------------------------------------------------------------------
+class MLP(nn.Module):
+    def __init__(self, dim, inter_dim):
+        super().__init__()
+        self.w1, self.w2, self.w3 = Linear(dim, inter_dim), Linear(inter_dim, dim), Linear(dim, inter_dim)
+
+    def forward(self, x):
+        return self.w2((F.silu(self.w1(x).float()) * self.w3(x).float()).to(BF16))
+
+
+class Gate(nn.Module):
+    """Sigmoid scores; the bias only steers selection: top groups by the sum of their top-2 biased scores,
+    then top-A experts inside them; weights are the unbiased scores, renormalized, times route_scale."""
+    def __init__(self, cfg: Config):
+        super().__init__()
+        self.cfg = cfg
+        self.weight = nn.Parameter(torch.empty(cfg.n_routed_experts, cfg.dim, dtype=BF16), requires_grad=False)
+        self.bias = nn.Parameter(torch.empty(cfg.n_routed_experts, dtype=torch.float32), requires_grad=False)
+
+    def forward(self, x):
+        cfg, T = self.cfg, x.shape[0]
+        s = F.linear(x.float(), self.weight.float()).sigmoid()                            # [T, E] fp32
+        sb = (s + self.bias).view(T, cfg.n_expert_groups, -1)                             # [T, G, E/G]
+        group_score = sb.topk(2, dim=-1).values.sum(-1)                                   # [T, G]
+        keep = group_score.topk(cfg.n_limited_groups, dim=-1).indices
+        drop = torch.ones_like(group_score, dtype=torch.bool).scatter_(1, keep, False)
+        idx = sb.masked_fill(drop[..., None], float("-inf")).flatten(1).topk(cfg.n_activated_experts, -1).indices
+        w = s.gather(1, idx)                                                               # [T, A]
+        return w / w.sum(-1, keepdim=True) * cfg.route_scale, idx
+
+
+class MoE(nn.Module):
+    def __init__(self, cfg: Config):
+        super().__init__()
+        self.gate = Gate(cfg)
+        self.experts = nn.ModuleList(MLP(cfg.dim, cfg.moe_inter_dim) for _ in range(cfg.n_routed_experts))
+        self.shared_experts = MLP(cfg.dim, cfg.moe_inter_dim * cfg.n_shared_experts)
+
+    def forward(self, x):
+        w, idx = self.gate(x)                                                              # [T, A] each
+        y = torch.zeros(x.shape, dtype=torch.float32, device=x.device)                    # fp32 accumulation
+        for e in idx.unique().tolist():                                                   # expert order 0..E-1
+            tok, j = (idx == e).nonzero(as_tuple=True)
+            y[tok] += self.experts[e](x[tok]).float() * w[tok, j, None]
+        return (y + self.shared_experts(x).float()).to(BF16)
+
+
+# ------------------------------------------------------------------------------------------------------------
+# Block, Transformer, MTP layer (spec 3.10, 3.11)
+# ------------------------------------------------------------------------------------------------------------
+class Block(nn.Module):
+    def __init__(self, cfg: Config, moe: bool):
+        super().__init__()
+        self.attn_norm, self.ffn_norm = RMSNorm(cfg.dim, cfg.eps), RMSNorm(cfg.dim, cfg.eps)
+        self.attn = MLA(cfg)
+        self.ffn = MoE(cfg) if moe else MLP(cfg.dim, cfg.inter_dim)
+
+    def forward(self, x, residual, cos, sin, meta, cache):
+        x, residual = (self.attn_norm(x), x) if residual is None else self.attn_norm(x, residual)
+        x = self.attn(x, cos, sin, meta, cache)
+        x, residual = self.ffn_norm(x, residual)
+        return self.ffn(x), residual
+
+
+class MTP(nn.Module):
+    """Multi-token prediction layer: from the main model's final-normed hidden state at position i and the token
+    at i+1, predict the token at i+2: block(eh_proj([enorm(emb(t_{i+1})); hnorm(h_i)])) -> norm -> head."""
+    def __init__(self, cfg: Config):
+        super().__init__()
+        self.cfg = cfg
+        self.embed = Embedding(cfg.vocab_size, cfg.dim)
+        self.enorm, self.hnorm = RMSNorm(cfg.dim, cfg.eps), RMSNorm(cfg.dim, cfg.eps)
+        self.eh_proj = Linear(2 * cfg.dim, cfg.dim, fp8=False)            # bf16, unquantized in the checkpoint
+        self.block = Block(cfg, moe=True)
+        self.shared_head = nn.Module()
+        self.shared_head.norm = RMSNorm(cfg.dim, cfg.eps)
+        self.shared_head.head = Linear(cfg.dim, cfg.vocab_size, fp8=False, dtype=torch.float32)
+
+    def forward(self, next_tokens, h, meta: Meta, cache: LayerCache):
+        """next_tokens [T] (t_{i+1}), h [T, dim] main hidden at i after the final norm -> normed hidden [T, dim].
+        (vLLM zeroes the embedding at position 0; SGLang and this engine do not.)"""
+        cos, sin = rope_cos_sin(self.cfg, meta.positions)
+        u = self.eh_proj(torch.cat([self.enorm(self.embed(next_tokens)), self.hnorm(h)], -1)).to(BF16)
+        x, residual = self.block(u, None, cos, sin, meta, cache)
+        return self.shared_head.norm(x, residual)[0]                  # also the input of the next draft step
+
+    def logits(self, h):
+        return self.shared_head.head(h)                               # fp32 [T, vocab]
+
+
+class Transformer(nn.Module):
+    def __init__(self, cfg: Config):
+        super().__init__()
+        self.cfg = cfg
+        self.embed = Embedding(cfg.vocab_size, cfg.dim)
+        self.layers = nn.ModuleList(Block(cfg, moe=i >= cfg.n_dense_layers) for i in range(cfg.n_layers))
+        self.norm = RMSNorm(cfg.dim, cfg.eps)
+        self.head = Linear(cfg.dim, cfg.vocab_size, fp8=False, dtype=torch.float32)   # fp32, as [R]
+        self.mtp = nn.ModuleList(MTP(cfg) for _ in range(cfg.n_mtp_layers))
+
+    @torch.inference_mode()
+    def forward(self, tokens, meta: Meta, cache: KVCache):
+        """tokens [T] -> hidden [T, dim] bf16 after the final norm (the lm_head input, also what MTP consumes)."""
+        cos, sin = rope_cos_sin(self.cfg, meta.positions)
+        h, residual = self.embed(tokens), None
+        for i, layer in enumerate(self.layers):
+            h, residual = layer(h, residual, cos, sin, meta, cache.layer(i))
+        return self.norm(h, residual)[0]
+
+    def logits(self, h):
+        return self.head(h)                                           # fp32 [T, vocab]
+
+    @torch.inference_mode()
+    def mtp_forward(self, next_tokens, h, meta: Meta, cache: KVCache, j=0):
+        return self.mtp[j](next_tokens, h, meta, cache.layer(self.cfg.n_layers + j))
+
+
+class KVCache:
+    """The KV pool of every layer (main layers, then MTP layers), addressed by slot: the FP8-rounded latent and the
+    rope key (bf16, 1152 B/token/layer at full size), the indexer key (FP8, 128 B) and its fp32 scale."""
+    def __init__(self, cfg: Config, num_slots: int, device="cpu"):
+        L = cfg.n_layers + cfg.n_mtp_layers
+        self.num_slots = num_slots
+        self.kv = torch.zeros(L, num_slots, cfg.kv_lora_rank, dtype=BF16, device=device)
+        self.pe = torch.zeros(L, num_slots, cfg.qk_rope_head_dim, dtype=BF16, device=device)
+        self.ik = torch.zeros(L, num_slots, cfg.index_head_dim, dtype=FP8, device=device)
+        self.iks = torch.zeros(L, num_slots, dtype=torch.float32, device=device)
+
+    @staticmethod
+    def bytes_per_token(cfg: Config):
+        return (cfg.n_layers + cfg.n_mtp_layers) * (2 * (cfg.kv_lora_rank + cfg.qk_rope_head_dim)
+                                                    + cfg.index_head_dim + 4)
+
+    def layer(self, i):
+        return LayerCache(self.kv[i], self.pe[i], self.ik[i], self.iks[i])
+
+
+# ------------------------------------------------------------------------------------------------------------
+# Loader: reads any DeepSeek-V3.2 checkpoint directory shard by shard, validating every tensor
+# ------------------------------------------------------------------------------------------------------------
+SAFETENSORS_DTYPES = {"F8_E4M3": FP8, "BF16": BF16, "F32": torch.float32, "F16": torch.float16,
+                      "F64": torch.float64, "I64": torch.int64, "I32": torch.int32, "U8": torch.uint8,
+                      "F8_E5M2": torch.float8_e5m2, "BOOL": torch.bool}
+MTP_OWN = {"embed_tokens", "enorm", "hnorm", "eh_proj", "shared_head"}
+
+
+def _shard_files(path):
+    index = os.path.join(path, "model.safetensors.index.json")
+    if os.path.isfile(index):
+        with open(index) as f:
+            files = sorted(set(json.load(f)["weight_map"].values()))
+    elif os.path.isfile(os.path.join(path, "model.safetensors")):
+        files = ["model.safetensors"]
+    else:
+        raise ValueError(f"{path}: no model.safetensors.index.json or model.safetensors (safetensors only)")
+    for f in files:
+        if not os.path.isfile(os.path.join(path, f)):
+            raise ValueError(f"{path}: shard {f} listed in model.safetensors.index.json is missing")
+    return [os.path.join(path, f) for f in files]
+
+
+def validate_checkpoint(path, cfg: Config):
+    """Check every tensor's presence, shape and dtype from the shard headers alone; raise naming the tensor."""
+    from safetensors import safe_open
+    expected, found = checkpoint_tensors(cfg), {}
+    for file in _shard_files(path):
+        with safe_open(file, "pt") as f:
+            for name in f.keys():
+                sl = f.get_slice(name)
+                found[name] = (list(sl.get_shape()), sl.get_dtype(), os.path.basename(file))
+    for name, (shape, dtype, file) in found.items():
+        if name not in expected:
+            raise ValueError(f"{path}: unexpected tensor {name} in {file} (not part of DeepSeek-V3.2 with this "
+                             f"config)")
+        want_shape, kind = expected[name]
+        if shape != want_shape:
+            raise ValueError(f"{path}: tensor {name} has shape {shape}, expected {want_shape}")
+        allowed = ALLOWED_DTYPES[kind]
+        if SAFETENSORS_DTYPES.get(dtype) not in allowed:
+            raise ValueError(f"{path}: tensor {name} has dtype {dtype}, expected "
+                             f"{' or '.join(str(d).removeprefix('torch.') for d in allowed)}")
+    for name, (shape, kind) in expected.items():
+        if name not in found:
+            raise ValueError(f"{path}: missing tensor {name} (expected {kind} {shape})")
+
+
+def load_model(path, device="cpu") -> Transformer:
+    """Load a DeepSeek-V3.2 HF checkpoint directory. FP8 weights stay FP8 with their block scales; norms, router
+    bias, weights_proj and the heads are upcast to fp32 one tensor at a time, as the reference does."""
+    from safetensors import safe_open
+    from tqdm import tqdm
+    if not os.path.isdir(path):
+        raise ValueError(f"model directory {path} does not exist")
+    cfg = Config.from_json(path)
+    validate_checkpoint(path, cfg)
+    with torch.device("meta"):
+        model = Transformer(cfg)
+    model = model.to_empty(device=device).eval()
+    params = dict(model.named_parameters())
+    files = _shard_files(path)
+    total = sum(os.path.getsize(f) for f in files)
+    with tqdm(total=total, unit="B", unit_scale=True, desc="loading", leave=False,
+              disable=total < (256 << 20)) as bar:
+        for file in files:
+            with safe_open(file, "pt", device="cpu") as f:
+                for name in f.keys():
+                    t = f.get_tensor(name)
+                    params[ours_name(cfg, name)].copy_(t)
+                    bar.update(t.numel() * t.element_size())
+    for m in model.mtp:            # the MTP embedding/head are copies of the main ones: share them when equal
+        if torch.equal(m.embed.weight, model.embed.weight):
+            m.embed.weight = model.embed.weight
+        if torch.equal(m.shared_head.head.weight, model.head.weight):
+            m.shared_head.head.weight = model.head.weight
+    return model
+
+
+# ============================================================================================================
+# Part 2: the engine
+# ============================================================================================================
+# ------------------------------------------------------------------------------------------------------------
+# Tokenizer and DeepSeek-V3.2 chat encoding (spec section 5)
+# ------------------------------------------------------------------------------------------------------------
+BOS, EOS = "<｜begin▁of▁sentence｜>", "<｜end▁of▁sentence｜>"
+USER, ASSISTANT, THINK, END_THINK = "<｜User｜>", "<｜Assistant｜>", "<think>", "</think>"
+
+
+def encode_chat(messages, thinking=False) -> str:
+    """DeepSeek-V3.2 chat format: BOS, system text, then per user turn `<｜User｜>{c}<｜Assistant｜>` followed by
+    `<think>` (last user turn, thinking mode) or `</think>`; assistant turns end with EOS. Earlier reasoning is
+    dropped; the generation prompt ends after the last user turn."""
+    last_user = max(i for i, m in enumerate(messages) if m["role"] == "user")
+    out = BOS
+    for i, m in enumerate(messages):
+        if m["role"] == "system":
+            out += m["content"]
+        elif m["role"] == "user":
+            out += USER + m["content"] + ASSISTANT + (THINK if thinking and i == last_user else END_THINK)
+        elif m["role"] == "assistant":
+            reasoning = m.get("reasoning_content") if thinking and i > last_user else None
+            out += (reasoning + END_THINK if reasoning else "") + m["content"] + EOS
+        else:
+            raise ValueError(f"unknown chat role {m['role']!r}")
+    return out
+
+
+def _bytes_to_unicode():
+    """The byte-level BPE alphabet: each byte maps to one printable character."""
+    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), 256))
+    cs, n = bs[:], 0
+    for b in range(256):
+        if b not in bs:
+            bs.append(b)
+            cs.append(256 + n)
+            n += 1
+    return {b: chr(c) for b, c in zip(bs, cs)}
+
+
+def write_byte_tokenizer(path, vocab_size):
+    """A self-contained byte-level tokenizer in the HF format: the DeepSeek special tokens at 0..5, one token
+    per byte after them, unused ids as placeholders."""
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
+    specials = [BOS, EOS, USER, ASSISTANT, THINK, END_THINK]
+    assert vocab_size >= len(specials) + 256, "the byte tokenizer needs 262 ids"
+    vocab = {tok: i for i, tok in enumerate(specials)}
+    vocab.update({ch: len(specials) + b for b, ch in _bytes_to_unicode().items()})
+    placeholders = [f"<｜place▁holder▁no▁{i}｜>" for i in range(vocab_size - len(vocab))]
+    vocab.update({tok: len(vocab) + i for i, tok in enumerate(placeholders)})
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens([AddedToken(t, normalized=False, special=True) for t in specials + placeholders])
+    tok.save(os.path.join(path, "tokenizer.json"))
+    token = lambda t: {"__type": "AddedToken", "content": t, "lstrip": False, "normalized": True,  # noqa: E731
+                       "rstrip": False, "single_word": False}
+    with open(os.path.join(path, "tokenizer_config.json"), "w") as f:
+        json.dump({"add_bos_token": False, "add_eos_token": False, "bos_token": token(BOS), "eos_token": token(EOS),
+                   "pad_token": token(EOS), "clean_up_tokenization_spaces": False, "legacy": True,
+                   "model_max_length": 131072, "tokenizer_class": "LlamaTokenizerFast"}, f, indent=2)
