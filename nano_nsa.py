@@ -262,6 +262,10 @@ def weight_dequant(w: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
 
 def random_weight(name: str, shape, kind: str, seed: int) -> torch.Tensor:
     """The reproducible fp32 source of one checkpoint tensor, scaled so activations stay O(1) through layers."""
+    if name.endswith("shared_head.head.weight"):   # the MTP layer stores copies of the main embedding and head
+        name = "lm_head.weight"
+    elif name.endswith("embed_tokens.weight"):
+        name = "model.embed_tokens.weight"
     g = torch.Generator().manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
     x = torch.randn(shape, generator=g)
     if kind == "norm":

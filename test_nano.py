@@ -1,0 +1,485 @@
+"""nano-nsa tests: every model-level claim against an independent formulation, on fresh random inputs.
+
+Run: python -m pytest -q test_nano.py        (CPU; GPU tests are marked `gpu` and skip without CUDA)
+
+On CPU the engine accumulates matmuls in fp64 (see `acc_dtype`), so two formulations that are the same math agree
+to fp64 rounding before the shared bf16 roundings: where a test compares such paths it demands (near) equality.
+"""
+import json
+import math
+import os
+import shutil
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import nano_nsa as m
+
+SHARED = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "shared")
+
+
+# ------------------------------------------------------------------------------------------------------------
+# fixtures and independent re-implementations (written from the spec, not calling the code under test)
+# ------------------------------------------------------------------------------------------------------------
+@pytest.fixture(scope="session")
+def tiny_dir(tmp_path_factory):
+    path = str(tmp_path_factory.mktemp("tiny"))
+    m.save_random_checkpoint(path, m.Config.tiny(), seed=0, shard_bytes=1 << 20)   # several shards
+    return path
+
+
+@pytest.fixture(scope="session")
+def model(tiny_dir):
+    return m.load_model(tiny_dir)
+
+
+def fake_quant_ref(x):
+    """FP8 e4m3 per-128-group quantize/dequantize with s = 2^ceil(log2(amax / 448)), written from spec 3.3."""
+    g = x.double().reshape(*x.shape[:-1], -1, 128)
+    amax = g.abs().amax(-1, keepdim=True).clamp(min=1e-4)
+    s = 2.0 ** torch.ceil(torch.log2(amax / 448))
+    return ((g / s).clamp(-448, 448).float().to(torch.float8_e4m3fn).double() * s).reshape(x.shape)
+
+
+def sylvester(n):
+    h = torch.ones(1, 1, dtype=torch.float64)
+    while h.shape[0] < n:
+        h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)], 0)
+    return h
+
+
+def rope_ref(x, pos, cfg, interleaved):
+    """RoPE through complex multiplication, as the reference `apply_rotary_emb` (x [S, ..., R])."""
+    d = cfg.qk_rope_head_dim
+    f = 1.0 / (cfg.rope_theta ** (torch.arange(0, d, 2, dtype=torch.float32) / d))
+    corr = lambda r: d * math.log(cfg.original_seq_len / (r * 2 * math.pi)) / (2 * math.log(cfg.rope_theta))  # noqa
+    lo, hi = max(math.floor(corr(cfg.beta_fast)), 0), min(math.ceil(corr(cfg.beta_slow)), d - 1)
+    smooth = 1 - ((torch.arange(d // 2, dtype=torch.float32) - lo) / (hi - lo)).clamp(0, 1)
+    f = f / cfg.rope_factor * (1 - smooth) + f * smooth
+    cis = torch.polar(torch.ones(len(pos), d // 2), torch.outer(pos.float(), f))
+    shape = x.shape
+    xf = x.float()
+    if not interleaved:
+        xf = xf.view(*shape[:-1], 2, -1).transpose(-1, -2)
+    xc = torch.view_as_complex(xf.contiguous().view(*shape[:-1], -1, 2))
+    y = torch.view_as_real(xc * cis.view(len(pos), *([1] * (x.dim() - 2)), d // 2)).flatten(-2)
+    if not interleaved:
+        y = torch.cat([y[..., 0::2], y[..., 1::2]], -1)
+    return y.to(torch.bfloat16)
+
+
+def capture(module, store, what="input"):
+    def hook(mod, args, out):
+        store.append(args if what == "input" else out)
+    return module.register_forward_hook(hook)
+
+
+def single_prefill(model, tokens, num_slots=512):
+    """Run one sequence from position 0; returns (hidden, meta, cache)."""
+    cache = m.KVCache(model.cfg, num_slots)
+    table = torch.randperm(num_slots)[None]                 # a scattered page table: slots are looked up
+    meta = m.Meta.build("prefill", [0], [len(tokens)], table)
+    return model(tokens, meta, cache), meta, cache
+
+
+def naive_mla(attn, x, pos, latent, kpe, allowed):
+    """Per-head MLA in fp64 from spec 3.6: q from x, per-head K = [W_UK c, k_pe], V = W_UV c over the context
+    latents c, softmax over `allowed` [S, N] keys. Returns the o_proj input [S, H*V]."""
+    cfg = attn.cfg
+    H, D, R, V = cfg.n_heads, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim
+    q = attn.wq_b(attn.q_norm(attn.wq_a(x))).view(len(x), H, D + R)
+    q = torch.cat([q[..., :D], rope_ref(q[..., D:], pos, cfg, interleaved=True)], -1).double()
+    w = m.weight_dequant(attn.wkv_b.weight, attn.wkv_b.scale).double().view(H, D + V, -1)
+    k_nope = torch.einsum("hdc,nc->nhd", w[:, :D], latent.double())
+    v = torch.einsum("hvc,nc->nhv", w[:, D:], latent.double())
+    k = torch.cat([k_nope, kpe.double()[:, None].expand(-1, H, -1)], -1)
+    scores = torch.einsum("shd,nhd->shn", q, k) * cfg.softmax_scale
+    scores = scores.masked_fill(~allowed[:, None, :], float("-inf"))
+    return torch.einsum("shn,nhv->shv", scores.softmax(-1), v).flatten(1)
+
+
+def assert_bf16_close(got, want, what):
+    """`got` was rounded to bf16 once from a value equal to `want` up to fp64 rounding: half a bf16 ulp (2^-9
+    relative) apart, plus an absolute floor for entries near zero."""
+    err = (got.double() - want.double()).abs()
+    bound = 2 ** -8 * want.double().abs() + 1e-6 * want.double().abs().max()
+    assert (err <= bound).all(), f"{what}: max err {err.max():.3e}, max |want| {want.abs().max():.3e}"
+
+
+# ------------------------------------------------------------------------------------------------------------
+# config and checkpoint format
+# ------------------------------------------------------------------------------------------------------------
+def test_config_json_round_trip(tmp_path):
+    for cfg in (m.Config.tiny(), m.Config.full(), m.Config.full(n_layers=2)):
+        with open(tmp_path / "config.json", "w") as f:
+            json.dump(cfg.to_hf(), f)
+        assert m.Config.from_json(str(tmp_path)) == cfg
+    hf = m.Config.full().to_hf()
+    assert hf["num_hidden_layers"] == 61 and hf["first_k_dense_replace"] == 3 and hf["n_group"] == 8
+    assert hf["quantization_config"]["weight_block_size"] == [128, 128]
+    assert abs(m.Config.full().softmax_scale - 0.1352337788608801) < 1e-12
+
+
+def test_config_rejects_other_models(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama", "hidden_size": 4096}))
+    with pytest.raises(ValueError, match="not a DeepSeek-V3.2 config"):
+        m.Config.from_json(str(tmp_path))
+
+
+def test_full_checkpoint_names_and_shapes():
+    """Spot-check the 671B tensor table against spec 2.1 / 2.3 (names, shapes, scale shapes incl. edge blocks)."""
+    t = m.checkpoint_tensors(m.Config.full())
+    L = "model.layers."
+    assert t[L + "0.self_attn.kv_a_proj_with_mqa.weight_scale_inv"][0] == [5, 56]
+    assert t[L + "0.self_attn.q_b_proj.weight"][0] == [24576, 1536]
+    assert t[L + "0.self_attn.kv_b_proj.weight_scale_inv"][0] == [256, 4]
+    assert t[L + "0.self_attn.o_proj.weight_scale_inv"][0] == [56, 128]
+    assert t[L + "0.self_attn.indexer.wk.weight_scale_inv"][0] == [1, 56]
+    assert t[L + "0.self_attn.indexer.weights_proj.weight"] == ([64, 7168], "bf16")
+    assert t[L + "2.mlp.down_proj.weight_scale_inv"][0] == [56, 144]
+    assert t[L + "3.mlp.experts.255.up_proj.weight_scale_inv"][0] == [16, 56]
+    assert t[L + "60.mlp.gate.e_score_correction_bias"] == ([256], "f32")
+    assert t[L + "61.eh_proj.weight"] == ([7168, 14336], "bf16") and L + "61.eh_proj.weight_scale_inv" not in t
+    assert t[L + "61.shared_head.head.weight"][0] == [129280, 7168]
+    assert L + "61.mlp.experts.0.gate_proj.weight" in t and L + "62.enorm.weight" not in t
+    assert len([k for k in t if k.startswith(L + "61.") and k.endswith("_proj.weight")]) == 3 * 257 + 6
+
+
+def test_write_load_round_trip_exact(tiny_dir, model):
+    from safetensors.torch import load_file
+    with open(os.path.join(tiny_dir, "model.safetensors.index.json")) as f:
+        index = json.load(f)
+    files = sorted(set(index["weight_map"].values()))
+    assert len(files) > 1 and files[0] == f"model-00001-of-{len(files):05d}.safetensors"
+    params = dict(model.named_parameters(remove_duplicate=False))
+    expected = m.checkpoint_tensors(model.cfg)
+    seen = set()
+    for file in files:
+        for name, t in load_file(os.path.join(tiny_dir, file)).items():
+            assert index["weight_map"][name] == file
+            p = params[m.ours_name(model.cfg, name)]
+            kind = expected[name][1]
+            assert p.dtype == {"fp8": torch.float8_e4m3fn, "scale": torch.float32}.get(kind, p.dtype)
+            assert torch.equal(p.float(), t.float()), name                    # bit-exact, upcasts are exact
+            seen.add(name)
+    assert seen == set(expected)
+    assert model.layers[0].attn.wq_a.weight.dtype == torch.float8_e4m3fn
+    assert model.norm.weight.dtype == torch.float32 and model.head.weight.dtype == torch.float32
+
+
+@pytest.mark.parametrize("fault", ["missing", "unexpected", "shape", "dtype"])
+def test_loader_rejects_bad_tensors(tiny_dir, tmp_path, fault):
+    from safetensors.torch import load_file, save_file
+    bad = str(tmp_path / "bad")
+    shutil.copytree(tiny_dir, bad)
+    with open(os.path.join(bad, "model.safetensors.index.json")) as f:
+        index = json.load(f)
+    victim = "model.layers.1.self_attn.kv_b_proj.weight"
+    file = os.path.join(bad, index["weight_map"][victim])
+    tensors = load_file(file)
+    if fault == "missing":
+        del tensors[victim]
+        message = f"missing tensor {victim}"
+    elif fault == "unexpected":
+        victim = "model.layers.1.self_attn.rotary_emb.inv_freq"
+        tensors[victim] = torch.zeros(32)
+        message = f"unexpected tensor {victim}"
+    elif fault == "shape":
+        tensors[victim] = tensors[victim][:-1].contiguous()
+        message = f"tensor {victim} has shape"
+    else:
+        tensors[victim] = tensors[victim].to(torch.bfloat16)
+        message = f"tensor {victim} has dtype BF16, expected float8_e4m3fn"
+    save_file(tensors, file, metadata={"format": "pt"})
+    with pytest.raises(ValueError, match=message.replace(".", r"\.")):
+        m.load_model(bad)
+
+
+def test_fp8_block_dequant_matches_source(model):
+    """Written FP8 weights dequantize to the seeded source within FP8 error, edge blocks included."""
+    cfg = model.cfg
+    params = dict(model.named_parameters(remove_duplicate=False))
+    checked_edge = False
+    for name, (shape, kind) in m.checkpoint_tensors(cfg).items():
+        if kind != "fp8" or ".experts." in name and ".experts.0." not in name:
+            continue
+        w8, s = params[m.ours_name(cfg, name)], params[m.ours_name(cfg, name + "_scale_inv")]
+        assert torch.equal(s, 2.0 ** torch.log2(s).round()), f"{name}: scales are not powers of two"
+        src = m.random_weight(name, shape, kind, seed=0)
+        deq = m.weight_dequant(w8, s)
+        s_full = s.repeat_interleave(128, 0)[:shape[0]].repeat_interleave(128, 1)[:, :shape[1]]
+        err = (deq - src).abs()
+        # e4m3: 3 mantissa bits -> half-ulp 2^-4 relative for normals; subnormal spacing 2^-9 times the block scale
+        assert (err <= 2 ** -4 * src.abs() + 2 ** -10 * s_full).all(), name
+        assert err.max() > 0, f"{name}: no quantization happened"
+        if shape[0] % 128:
+            edge = slice(shape[0] // 128 * 128, shape[0])
+            assert (err[edge] <= 2 ** -4 * src[edge].abs() + 2 ** -10 * s_full[edge]).all()
+            checked_edge = True
+    assert checked_edge, "no weight with a partial edge block was checked"
+
+
+# ------------------------------------------------------------------------------------------------------------
+# units that end-to-end logits on random weights cannot see (spec section 9)
+# ------------------------------------------------------------------------------------------------------------
+def test_activation_quantization_before_fp8_linear(model):
+    lin = model.layers[0].attn.wq_a
+    x = (torch.randn(7, model.cfg.dim) * torch.logspace(-2, 1, model.cfg.dim)).to(torch.bfloat16)
+    w = m.weight_dequant(lin.weight, lin.scale).double()
+    want = (fake_quant_ref(x) @ w.T).to(torch.bfloat16)
+    unquantized = (x.double() @ w.T).to(torch.bfloat16)
+    got = lin(x)
+    assert torch.equal(got, want)
+    assert (unquantized.float() - want.float()).abs().max() > 1e-2 * want.float().abs().max()
+    q, s = m.act_quant(x)
+    assert q.dtype == torch.float8_e4m3fn and torch.equal(s, 2.0 ** torch.log2(s).round())
+    assert torch.equal(m.act_dequant(q, s), fake_quant_ref(x).float())
+
+
+def test_cached_latent_is_fp8_round_tripped(model):
+    torch.manual_seed(1)
+    tokens = torch.randint(6, model.cfg.vocab_size, (40,))
+    xs = []
+    hook = capture(model.layers[1].attn, xs)
+    _, meta, cache = single_prefill(model, tokens)
+    hook.remove()
+    attn, x = model.layers[1].attn, xs[0][0]
+    kv = attn.kv_norm(attn.wkv_a(x)[:, :model.cfg.kv_lora_rank])
+    cached = cache.kv[1][meta.slots]
+    assert torch.equal(cached.double(), fake_quant_ref(kv))
+    assert not torch.equal(cached, kv), "the latent was cached without the FP8 round trip"
+
+
+def test_indexer_key_uses_hadamard(model):
+    torch.manual_seed(2)
+    tokens = torch.randint(6, model.cfg.vocab_size, (30,))
+    xs = []
+    hook = capture(model.layers[0].attn, xs)
+    _, meta, cache = single_prefill(model, tokens)
+    hook.remove()
+    cfg, idx, x = model.cfg, model.layers[0].attn.indexer, xs[0][0]
+    k = F.layer_norm(idx.wk(x).float(), (128,), idx.k_norm.weight, idx.k_norm.bias, cfg.eps).to(torch.bfloat16)
+    k = torch.cat([rope_ref(k[:, :64], meta.positions, cfg, interleaved=False), k[:, 64:]], -1)
+    with_h = fake_quant_ref((k.double() @ sylvester(128) / math.sqrt(128)).to(torch.bfloat16))
+    without_h = fake_quant_ref(k)
+    cached = cache.ik[0][meta.slots].double() * cache.iks[0][meta.slots, None].double()
+    assert torch.equal(cached, with_h)
+    assert not torch.equal(cached, without_h)
+
+
+def test_final_norm_hidden_is_what_mtp_and_head_see(model):
+    torch.manual_seed(3)
+    tokens = torch.randint(6, model.cfg.vocab_size, (12,))
+    outs, norm_in = [], []
+    h1 = capture(model.layers[-1], outs, what="output")
+    h2 = capture(model.norm, norm_in)
+    h, meta, cache = single_prefill(model, tokens)
+    h1.remove(), h2.remove()
+    x, residual = outs[0]
+    r = x.float() + residual.float()
+    want = (model.norm.weight * r * torch.rsqrt(r.pow(2).mean(-1, keepdim=True) + 1e-6)).to(torch.bfloat16)
+    assert torch.equal(h, want), "forward must return the hidden state after the final norm"
+    assert not torch.equal(h, r.to(torch.bfloat16))
+    assert torch.equal(model.logits(h), (h.double() @ model.head.weight.double().T).float())
+
+
+def test_hadamard_and_rope_match_references():
+    torch.manual_seed(4)
+    x = torch.randn(5, 3, 128).to(torch.bfloat16)
+    assert torch.equal(m.hadamard(x), (x.double() @ sylvester(128) / math.sqrt(128)).to(torch.bfloat16))
+    cfg = m.Config.tiny()
+    pos = torch.randint(0, 100000, (5,))
+    cos, sin = m.rope_cos_sin(cfg, pos)
+    y = torch.randn(5, 3, 64).to(torch.bfloat16)
+    for inter in (True, False):
+        got, want = m.rope(y, cos, sin, interleaved=inter), rope_ref(y, pos, cfg, interleaved=inter)
+        assert (got.float() - want.float()).abs().max() <= 2 ** -7 * want.float().abs().max()
+    assert not torch.equal(m.rope(y, cos, sin, True), m.rope(y, cos, sin, False))
+
+
+# ------------------------------------------------------------------------------------------------------------
+# MLA, DSA: absorbed vs per-head, sparse vs dense, selection vs an fp32 recomputation
+# ------------------------------------------------------------------------------------------------------------
+def _prefill_then_decode(model, prompt, extra):
+    """Prefill `prompt`, then run `extra` tokens as verify rows (each its own decode row); capture layer-1
+    attention input, selection and o_proj input of the verify pass."""
+    cache = m.KVCache(model.cfg, 512)
+    table = torch.randperm(512)[None]
+    model(prompt, m.Meta.build("prefill", [0], [len(prompt)], table), cache)
+    ins, sel, o = [], [], []
+    attn = model.layers[1].attn
+    hooks = [capture(attn, ins), capture(attn.indexer, sel, "output"), capture(attn.wo, o)]
+    meta = m.Meta.build("verify", [len(prompt)], [len(extra)], table)
+    model(extra, meta, cache)
+    for hk in hooks:
+        hk.remove()
+    return attn, ins[0][0], sel[0], o[0][0], meta, cache
+
+
+def test_absorbed_decode_equals_naive_per_head_mla(model):
+    torch.manual_seed(5)
+    prompt, extra = torch.randint(6, model.cfg.vocab_size, (50,)), torch.randint(6, model.cfg.vocab_size, (3,))
+    attn, x, sel, o, meta, cache = _prefill_then_decode(model, prompt, extra)
+    n = int(meta.ctx_lens.max())
+    ctx = meta.table[0, :n]
+    allowed = torch.zeros(len(extra), n, dtype=torch.bool)
+    for t in range(len(extra)):
+        allowed[t, sel[t][sel[t] >= 0]] = True
+    assert allowed.sum(1).tolist() == [model.cfg.index_topk] * 3          # 51..53 context, top-32 each
+    want = naive_mla(attn, x, meta.positions, cache.kv[1][ctx], cache.pe[1][ctx], allowed)
+    assert_bf16_close(o, want, "absorbed vs per-head")
+
+
+def test_sparse_with_topk_covering_context_equals_dense(model, monkeypatch):
+    monkeypatch.setattr(model.cfg, "index_topk", 4096)
+    torch.manual_seed(6)
+    tokens = torch.randint(6, model.cfg.vocab_size, (70,))
+    ins, o = [], []
+    hooks = [capture(model.layers[2].attn, ins), capture(model.layers[2].attn.wo, o)]
+    _, meta, cache = single_prefill(model, tokens)
+    for hk in hooks:
+        hk.remove()
+    attn, x = model.layers[2].attn, ins[0][0]
+    causal = torch.ones(70, 70, dtype=torch.bool).tril()
+    want = naive_mla(attn, x, meta.positions, cache.kv[2][meta.slots], cache.pe[2][meta.slots], causal)
+    assert_bf16_close(o[0][0], want, "sparse (top-k covers all) vs dense causal")
+
+
+def test_indexer_selects_true_topk_and_attention_is_masked_dense(model):
+    cfg = model.cfg
+    torch.manual_seed(7)
+    S = 90
+    tokens = torch.randint(6, cfg.vocab_size, (S,))
+    ins, sel, o = [], [], []
+    attn = model.layers[1].attn
+    hooks = [capture(attn, ins), capture(attn.indexer, sel, "output"), capture(attn.wo, o)]
+    _, meta, cache = single_prefill(model, tokens)
+    for hk in hooks:
+        hk.remove()
+    x, sel = ins[0][0], sel[0]
+    # independent fp32 recomputation of I[s, t] (spec 3.7), explicit Hadamard matrix and FP8 fake-quantization
+    idx, H = attn.indexer, sylvester(128) / math.sqrt(128)
+    qr = attn.q_norm(attn.wq_a(x))
+    q = idx.wq_b(qr).view(S, cfg.index_n_heads, 128)
+    q = torch.cat([rope_ref(q[..., :64], meta.positions, cfg, False), q[..., 64:]], -1)
+    k = F.layer_norm(idx.wk(x).float(), (128,), idx.k_norm.weight, idx.k_norm.bias, cfg.eps).to(torch.bfloat16)
+    k = torch.cat([rope_ref(k[:, :64], meta.positions, cfg, False), k[:, 64:]], -1)
+    qh = fake_quant_ref((q.double() @ H).to(torch.bfloat16))
+    kh = fake_quant_ref((k.double() @ H).to(torch.bfloat16))
+    w = x.double() @ idx.weights_proj.weight.double().T * cfg.index_n_heads ** -0.5 * 128 ** -0.5
+    scores = torch.einsum("shd,td->sht", qh, kh).relu().mul(w[..., None]).sum(1).float()   # [S, S]
+    causal = torch.ones(S, S, dtype=torch.bool).tril()
+    scores = scores.masked_fill(~causal, float("-inf"))
+    checked = 0
+    for s in range(S):
+        got = sel[s][sel[s] >= 0]
+        n = min(cfg.index_topk, s + 1)
+        assert len(got) == n and len(set(got.tolist())) == n and (got <= s).all()
+        if s + 1 > cfg.index_topk:
+            kth = scores[s].topk(n).values[-1]
+            tol = 1e-5 * scores[s, :s + 1].abs().max()
+            chosen = torch.zeros(S, dtype=torch.bool)
+            chosen[got] = True
+            assert (scores[s][chosen] >= kth - tol).all() and (scores[s][~chosen & causal[s]] <= kth + tol).all()
+            checked += 1
+    assert checked == S - cfg.index_topk
+    allowed = torch.zeros(S, S, dtype=torch.bool)
+    for s in range(S):
+        allowed[s, sel[s][sel[s] >= 0]] = True
+    assert not torch.equal(allowed, causal)
+    want = naive_mla(attn, x, meta.positions, cache.kv[1][meta.slots], cache.pe[1][meta.slots], allowed)
+    assert_bf16_close(o[0][0], want, "sparse attention vs dense masked to the selection")
+
+
+# ------------------------------------------------------------------------------------------------------------
+# whole model: decode vs prefill, chunked prefill, MTP
+# ------------------------------------------------------------------------------------------------------------
+def test_decode_token_by_token_equals_prefill(model):
+    """Several requests batched, contexts past index_topk. On CPU the two paths compute the same sums in fp64 and
+    round to bf16 at the same points, so logits agree to fp64 rounding (bound 1e-4 relative; observed: equal)."""
+    cfg = model.cfg
+    torch.manual_seed(8)
+    lens, steps = [45, 20, 33], 6
+    seqs = [torch.randint(6, cfg.vocab_size, (n + steps,)) for n in lens]
+    table = torch.randperm(3 * 128).view(3, 128)
+    ref_cache = m.KVCache(cfg, 3 * 128)
+    full = m.Meta.build("prefill", [0] * 3, [len(s) for s in seqs], table)
+    ref = model.logits(model(torch.cat(seqs), full, ref_cache))
+    cache = m.KVCache(cfg, 3 * 128)
+    model(torch.cat([s[:n] for s, n in zip(seqs, lens)]), m.Meta.build("prefill", [0] * 3, lens, table), cache)
+    for i in range(steps):
+        meta = m.Meta.build("decode", [n + i for n in lens], [1] * 3, table)
+        got = model.logits(model(torch.stack([s[n + i] for s, n in zip(seqs, lens)]), meta, cache))
+        want = ref[[full.cu_seqlens[b] + lens[b] + i for b in range(3)]]
+        assert (got - want).abs().max() <= 1e-4 * want.abs().max(), f"step {i}"
+
+
+def test_two_prefill_chunks_equal_one(model):
+    cfg = model.cfg
+    torch.manual_seed(9)
+    seqs = [torch.randint(6, cfg.vocab_size, (n,)) for n in (70, 41)]
+    cut = [37, 10]
+    table = torch.randperm(256).view(2, 128)
+    c1, c2 = m.KVCache(cfg, 256), m.KVCache(cfg, 256)
+    one = model.logits(model(torch.cat(seqs), m.Meta.build("prefill", [0, 0], [70, 41], table), c1))
+    model(torch.cat([s[:c] for s, c in zip(seqs, cut)]), m.Meta.build("prefill", [0, 0], cut, table), c2)
+    two = model.logits(model(torch.cat([s[c:] for s, c in zip(seqs, cut)]),
+                             m.Meta.build("prefill", cut, [70 - 37, 41 - 10], table), c2))
+    want = torch.cat([one[37:70], one[70 + 10:]])
+    assert (two - want).abs().max() <= 1e-4 * want.abs().max()
+    assert torch.equal(c1.kv, c2.kv) and torch.equal(c1.ik.float(), c2.ik.float())
+
+
+def test_mtp_layer_matches_spec(model):
+    """MTP (spec 3.11) recomputed: eh_proj([enorm(emb(t_{i+1})); hnorm(h_i)]) -> block -> shared_head norm/head."""
+    cfg = model.cfg
+    torch.manual_seed(10)
+    tokens = torch.randint(6, cfg.vocab_size, (25,))
+    h, meta, cache = single_prefill(model, tokens)
+    nxt = torch.cat([tokens[1:], torch.tensor([7])])
+    got_h = model.mtp_forward(nxt, h, meta, cache)
+    got = model.mtp[0].logits(got_h)
+
+    def rms(x, w):
+        x = x.float()
+        return (w * x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + cfg.eps)).to(torch.bfloat16)
+    mtp = model.mtp[0]
+    e = F.embedding(nxt, mtp.embed.weight)
+    u = (torch.cat([rms(e, mtp.enorm.weight), rms(h, mtp.hnorm.weight)], -1).double()
+         @ mtp.eh_proj.weight.double().T).to(torch.bfloat16)
+    cache2 = m.KVCache(cfg, 512)
+    cos, sin = m.rope_cos_sin(cfg, meta.positions)
+    x, res = mtp.block(u, None, cos, sin, meta, cache2.layer(cfg.n_layers))
+    want_h = rms(x.float() + res.float(), mtp.shared_head.norm.weight)
+    want = (want_h.double() @ model.head.weight.double().T).float()    # shared_head.head == lm_head copy
+    assert torch.equal(got_h, want_h)
+    assert (got - want).abs().max() <= 1e-5 * want.abs().max()
+    assert mtp.shared_head.head.weight is model.head.weight, "equal copies of the head should be shared"
+
+
+def test_moe_routing_and_output_match_spec(model, monkeypatch):
+    """Gate (spec 3.9) recomputed in fp64: the bias steers selection only; group-limited top-k; weights are the
+    unbiased scores renormalized times route_scale; output = sum of weighted experts + shared expert."""
+    cfg, moe = model.cfg, model.layers[1].ffn
+    monkeypatch.setattr(moe.gate.bias, "data", moe.gate.bias.data * 20)   # make the bias change selections
+    torch.manual_seed(11)
+    x = torch.randn(64, cfg.dim).to(torch.bfloat16)
+    w, idx = moe.gate(x)
+    s = (x.double() @ moe.gate.weight.double().T).sigmoid()
+    sb = s + moe.gate.bias.double()
+    G = cfg.n_expert_groups
+    gs = sb.view(64, G, -1).topk(2, -1).values.sum(-1)
+    keep = gs.topk(cfg.n_limited_groups, -1).indices
+    masked = torch.full_like(sb, float("-inf")).view(64, G, -1)
+    for t in range(64):
+        masked[t, keep[t]] = sb.view(64, G, -1)[t, keep[t]]
+    want_idx = masked.flatten(1).topk(cfg.n_activated_experts, -1).indices
+    assert torch.equal(idx.sort(-1).values, want_idx.sort(-1).values)
+    assert not torch.equal(s.topk(cfg.n_activated_experts, -1).indices.sort(-1).values, want_idx.sort(-1).values)
+    want_w = s.gather(1, idx) / s.gather(1, idx).sum(-1, keepdim=True) * cfg.route_scale
+    assert torch.allclose(w.double(), want_w, rtol=1e-6)
+    y = moe(x)
+    want_y = torch.stack([sum(moe.experts[int(e)](x[t:t + 1])[0].float() * w[t, j] for j, e in enumerate(idx[t]))
+                          + moe.shared_experts(x[t:t + 1])[0].float() for t in range(64)])
+    assert_bf16_close(y, want_y, "MoE output")
