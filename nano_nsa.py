@@ -15,6 +15,7 @@ Dimension legend used in shape comments:
 from __future__ import annotations
 
 import json
+import time
 import math
 import os
 import zlib
@@ -904,3 +905,398 @@ def write_byte_tokenizer(path, vocab_size):
         json.dump({"add_bos_token": False, "add_eos_token": False, "bos_token": token(BOS), "eos_token": token(EOS),
                    "pad_token": token(EOS), "clean_up_tokenization_spaces": False, "legacy": True,
                    "model_max_length": 131072, "tokenizer_class": "LlamaTokenizerFast"}, f, indent=2)
+
+
+def default_model_dir() -> str:
+    """The embedded default: a tiny random DeepSeek-V3.2 checkpoint with a byte-level tokenizer, written once."""
+    root = os.environ.get("NANO_NSA_CACHE", os.path.join(os.path.expanduser("~"), ".cache", "nano-nsa"))
+    path = os.path.join(root, "tiny-v1-seed0")
+    if not os.path.isfile(os.path.join(path, "model.safetensors.index.json")):
+        tmp = f"{path}.tmp{os.getpid()}"
+        print(f"writing the tiny random DeepSeek-V3.2 checkpoint to {path} (once)", flush=True)
+        save_random_checkpoint(tmp, Config.tiny(), seed=0)
+        if os.path.isdir(path):
+            import shutil
+            shutil.rmtree(path)
+        os.replace(tmp, path)
+    return path
+
+
+# ------------------------------------------------------------------------------------------------------------
+# Sampling and speculative acceptance
+# ------------------------------------------------------------------------------------------------------------
+def probs_from_logits(logits, temperature, top_p):
+    """fp32 logits [n, V] -> sampling distribution: softmax(logits / T) restricted to the top-p nucleus."""
+    p = torch.softmax(logits.float() / temperature, -1)
+    if top_p < 1.0:
+        sp, si = p.sort(-1, descending=True)
+        sp = sp.masked_fill(sp.cumsum(-1) - sp >= top_p, 0.0)     # drop tokens once the nucleus holds top_p
+        p = torch.zeros_like(p).scatter_(-1, si, sp)
+        p = p / p.sum(-1, keepdim=True)
+    return p
+
+
+def sample_no_sync(probs, gen):
+    """Exponential race: argmax p / E with E ~ Exp(1) is an exact draw from p, with no host round trip."""
+    return (probs / torch.empty_like(probs).exponential_(1, generator=gen)).argmax(-1)
+
+
+def residual_probs(p, q):
+    """Where a draft token was rejected, sample from normalize(max(p - q, 0)) (p itself if p == q)."""
+    r = (p - q).clamp(min=0)
+    return r / r.sum() if r.sum() > 0 else p
+
+
+def speculative_accept(draft, q, logits, temperature, top_p, gen):
+    """Verify k draft tokens against the main model's logits [k+1, V] at the k+1 verify rows; return the emitted
+    tokens (accepted drafts plus one token from the main model). Greedy: the longest prefix equal to the argmax,
+    then the argmax. Sampling: accept x with probability min(1, p(x)/q(x)), else draw from max(p - q, 0); the
+    output then follows the main model's distribution exactly."""
+    if temperature == 0:
+        target = logits.argmax(-1).tolist()
+        a = 0
+        while a < len(draft) and draft[a] == target[a]:
+            a += 1
+        return draft[:a] + [target[a]]
+    p = probs_from_logits(logits, temperature, top_p)
+    for j, x in enumerate(draft):
+        if torch.rand((), generator=gen, device=p.device) * q[j, x] > p[j, x]:       # reject
+            return draft[:j] + [int(sample_no_sync(residual_probs(p[j], q[j]), gen))]
+    return draft + [int(sample_no_sync(p[-1], gen))]
+
+
+# ------------------------------------------------------------------------------------------------------------
+# Engine: requests, paged KV pool, continuous batching, the MTP speculative loop
+# ------------------------------------------------------------------------------------------------------------
+@dataclass
+class Request:
+    idx: int                     # position in the caller's prompt list
+    tokens: list                 # prompt + generated so far
+    prompt_len: int
+    max_new_tokens: int
+    temperature: float
+    top_p: float
+    gen: torch.Generator
+    prefill_target: int          # prefill positions [0, target): the prompt, or all but the last token if resumed
+    num_cached: int = 0          # positions whose main-model KV is in the pool; decode phase: len(tokens) - 1
+    pages: list = None
+    draft: list = None           # draft tokens for the next verify
+    q: torch.Tensor = None       # [k, V] their draft distributions (sampling only)
+    logits: list = None          # main-model logits rows of the emitted tokens (return_logits)
+    accept_lengths: list = None
+    finish: str = None           # "eos" | "length" once done
+
+    @property
+    def generated(self):
+        return self.tokens[self.prompt_len:]
+
+
+@dataclass
+class Result:
+    token_ids: list
+    text: str
+    accept_lengths: list
+    logits: torch.Tensor = None
+    finish_reason: str = None
+
+
+class LLM:
+    """DeepSeek-V3.2 engine. Every step is one of: a prefill step (chunks of prompts, then the MTP layer over
+    the same chunks), or a decode round over all running requests: verify k drafts per request in one main-model
+    pass of decode rows, accept, draft-extend the MTP layer over the accepted tokens, draft k new tokens."""
+
+    def __init__(self, model_dir=None, device=None, mtp=1, kv_cache_bytes=None, page_size=16, max_batch=64,
+                 max_prefill_tokens=1024, max_context=None):
+        from tokenizers import Tokenizer
+        self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        model_dir = model_dir or default_model_dir()
+        self.model = load_model(model_dir, self.device)
+        self.cfg = cfg = self.model.cfg
+        tok_file = os.path.join(model_dir, "tokenizer.json")
+        if not os.path.isfile(tok_file):
+            raise ValueError(f"{model_dir}: no tokenizer.json")
+        self.tokenizer = Tokenizer.from_file(tok_file)
+        if mtp < 0 or (mtp > 0 and cfg.n_mtp_layers == 0):
+            raise ValueError(f"mtp={mtp}: needs a checkpoint with an MTP layer and mtp >= 0")
+        self.k, self.page_size, self.max_batch, self.max_prefill_tokens = mtp, page_size, max_batch, max_prefill_tokens
+        if kv_cache_bytes is None:           # CPU: 256 MiB; GPU: most of what the weights left free
+            kv_cache_bytes = (int(torch.cuda.mem_get_info(self.device)[0] * 0.8) if self.device.type == "cuda"
+                              else 256 << 20)
+        num_pages = kv_cache_bytes // (KVCache.bytes_per_token(cfg) * page_size)
+        self.cache = KVCache(cfg, num_pages * page_size, self.device)
+        self.free_pages = list(range(num_pages))
+        self.max_context = min(max_context or cfg.max_seq_len, cfg.max_seq_len)
+        self.stats = {}
+
+    # --- paged KV pool: a request owns pages; position p lives in slot pages[p // P] * P + p % P ---------------
+    def _reserve(self, req, n_positions):
+        need = -(-n_positions // self.page_size) - len(req.pages)
+        if need > len(self.free_pages):
+            return False
+        req.pages += [self.free_pages.pop() for _ in range(max(need, 0))]
+        return True
+
+    def _release(self, req):
+        self.free_pages += req.pages
+        req.pages = []
+
+    def _table(self, reqs):
+        """[B, N] slot of every position of each request (page size 1 view of the page tables)."""
+        width = max(len(r.pages) for r in reqs)
+        pages = torch.tensor([r.pages + [0] * (width - len(r.pages)) for r in reqs])
+        return (pages[:, :, None] * self.page_size + torch.arange(self.page_size)).flatten(1).to(self.device)
+
+    def _reserve_or_preempt(self, reqs, n_positions):
+        """Give every request pages for n_positions(r); when the pool is full, preempt the newest request (its
+        pages are freed and it is recomputed later). Returns the requests still running."""
+        for r in list(reqs):
+            while r in self.running and not self._reserve(r, n_positions(r)):
+                victim = self.running.pop()                          # newest admitted
+                self._release(victim)
+                self.preemptions += 1
+                victim.num_cached, victim.draft, victim.q = 0, None, None
+                victim.prefill_target = len(victim.tokens) - 1       # its last token is known: no resampling
+                self.waiting.insert(0, victim)
+        return [r for r in reqs if r in self.running]
+
+    # --- the engine loop --------------------------------------------------------------------------------------
+    def generate(self, prompts, max_new_tokens=256, temperature=0.0, top_p=1.0, seed=None, return_logits=False,
+                 thinking=False, raw=False, on_tokens=None):
+        """prompts: strings (chat-encoded as a user turn; raw=True: plain completion) or lists of token ids."""
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        if max_new_tokens <= 0:
+            raise ValueError(f"max_new_tokens must be > 0 (got {max_new_tokens})")
+        if temperature < 0:
+            raise ValueError(f"temperature must be >= 0 (got {temperature})")
+        if not 0 < top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1] (got {top_p})")
+        capacity = len(self.free_pages) * self.page_size
+        self.waiting, self.running, reqs = [], [], []
+        for i, p in enumerate(prompts):
+            ids = self.encode(p, thinking, raw)
+            if not ids:
+                raise ValueError(f"prompt {i} is empty")
+            if len(ids) + max_new_tokens > self.max_context:
+                raise ValueError(f"prompt {i} has {len(ids)} tokens; with max_new_tokens={max_new_tokens} it exceeds "
+                                 f"the context limit of {self.max_context} tokens")
+            if len(ids) + max_new_tokens + 2 * self.k + 1 > capacity:
+                raise ValueError(f"prompt {i} ({len(ids)} tokens + {max_new_tokens} new) can never fit in the KV pool "
+                                 f"of {capacity} slots; give the engine a larger kv_cache_bytes")
+            gen = torch.Generator(self.device).manual_seed((seed if seed is not None else 0) * 1_000_003 + i)
+            reqs.append(Request(i, list(ids), len(ids), max_new_tokens, temperature, top_p, gen, len(ids),
+                                pages=[], logits=[], accept_lengths=[]))
+        self.waiting = list(reqs)
+        self.on_tokens, self.return_logits, self.preemptions = on_tokens, return_logits, 0
+        t0, rounds = time.perf_counter(), 0
+        while self.waiting or self.running:
+            self._admit()
+            prefilling = [r for r in self.running if r.num_cached < r.prefill_target]
+            if prefilling:
+                self._prefill_step(prefilling)
+            elif self.running:
+                self._decode_round(list(self.running))
+                rounds += 1
+        dt = time.perf_counter() - t0
+        results = [Result(r.generated, self.tokenizer.decode(r.generated), r.accept_lengths,
+                          torch.stack(r.logits) if return_logits else None, r.finish) for r in reqs]
+        n_tok = sum(len(r.generated) for r in reqs)
+        acc = [a for r in reqs for a in r.accept_lengths]
+        self.stats = dict(tokens=n_tok, seconds=dt, tokens_per_s=n_tok / dt, decode_rounds=rounds,
+                          preemptions=self.preemptions,
+                          mean_accept_length=sum(acc) / len(acc) if acc else None,
+                          accept_histogram={n: acc.count(n) for n in range(1, self.k + 2)} if self.k else {})
+        return results
+
+    def encode(self, prompt, thinking=False, raw=False):
+        if not isinstance(prompt, str):
+            return [int(t) for t in prompt]
+        text = BOS + prompt if raw else encode_chat([{"role": "user", "content": prompt}], thinking)
+        return self.tokenizer.encode(text, add_special_tokens=False).ids
+
+    def _admit(self):
+        while self.waiting and len(self.running) < self.max_batch:
+            r = self.waiting[0]
+            if not self._reserve(r, r.prefill_target + self.k + 1):  # prompt, then the first drafts
+                break
+            self.running.append(self.waiting.pop(0))
+
+    def _emit(self, r, new_tokens, logits_rows):
+        """Append emitted tokens, stopping at EOS or max_new_tokens; finished requests free their pages."""
+        for j, t in enumerate(new_tokens):
+            if t == self.cfg.eos_token_id or len(r.generated) >= r.max_new_tokens:
+                r.finish = "eos" if t == self.cfg.eos_token_id else "length"
+                break
+            r.tokens.append(t)
+            if self.return_logits:
+                r.logits.append(logits_rows[j].float().cpu())
+            if self.on_tokens:
+                self.on_tokens(r.idx, [t])
+        if r.finish is None and len(r.generated) >= r.max_new_tokens:
+            r.finish = "length"
+        if r.finish:
+            self.running.remove(r)
+            self._release(r)
+
+    def _pick(self, r, logits):
+        """A draft token from the MTP logits [V]: argmax (greedy) or a draw from q (kept for the acceptance test)."""
+        if r.temperature == 0:
+            return int(logits.argmax()), None
+        q = probs_from_logits(logits[None], r.temperature, r.top_p)[0]
+        return int(sample_no_sync(q, r.gen)), q
+
+    def _prefill_step(self, reqs):
+        chunks, budget = [], self.max_prefill_tokens
+        for r in reqs:
+            n = min(r.prefill_target - r.num_cached, budget)
+            if n <= 0:
+                break
+            chunks.append((r, r.num_cached, n))
+            budget -= n
+        reqs = [c[0] for c in chunks]
+        meta = Meta.build("prefill", [s for _, s, _ in chunks], [n for _, _, n in chunks], self._table(reqs))
+        tokens = torch.tensor([t for r, s, n in chunks for t in r.tokens[s:s + n]], device=self.device)
+        h = self.model(tokens, meta, self.cache)
+        last = [meta.cu_seqlens[b + 1] - 1 for b in range(len(chunks))]
+        logits = self.model.logits(h[last])
+        for b, (r, s, n) in enumerate(chunks):
+            r.num_cached += n
+            if r.num_cached == len(r.tokens):                            # fresh prompt done: sample token 1
+                t = int(logits[b].argmax()) if r.temperature == 0 else \
+                    int(sample_no_sync(probs_from_logits(logits[b:b + 1], r.temperature, r.top_p)[0], r.gen))
+                self._emit(r, [t], logits[b:b + 1])
+        if self.k == 0:
+            return
+        # MTP over the same chunk: position p pairs the main hidden h_p with the next token x_{p+1}
+        live = [b for b, (r, s, n) in enumerate(chunks) if r.finish is None]
+        next_tokens = torch.tensor([r.tokens[s + i + 1] if b in live else 0 for b, (r, s, n) in enumerate(chunks)
+                                    for i in range(n)], device=self.device)
+        hm = self.model.mtp_forward(next_tokens, h, meta, self.cache)
+        done = [b for b in live if chunks[b][0].num_cached == chunks[b][0].prefill_target]
+        if done:
+            self._draft([chunks[b][0] for b in done], hm[[last[b] for b in done]])
+
+    def _draft(self, reqs, h):
+        """k draft tokens per request: the first from the MTP row that just ran at position L-1 (hidden h), the rest
+        from k-1 MTP decode steps, each a row at position L-1+j with its own causal length."""
+        mtp, table = self.model.mtp, self._table(reqs)
+        for r in reqs:
+            r.draft, r.q = [], []
+        for j in range(self.k):
+            if j > 0:
+                meta = Meta.build("decode", [r.num_cached - 1 + j for r in reqs], [1] * len(reqs), table)
+                tokens = torch.tensor([r.draft[-1] for r in reqs], device=self.device)
+                h = self.model.mtp_forward(tokens, h, meta, self.cache, j=min(j, len(mtp) - 1))
+            logits = mtp[min(j, len(mtp) - 1)].logits(h)
+            for b, r in enumerate(reqs):
+                t, q = self._pick(r, logits[b])
+                r.draft.append(t)
+                r.q.append(q)
+        for r in reqs:
+            r.q = torch.stack(r.q) if r.temperature > 0 else None
+
+    def _decode_round(self, reqs):
+        k = self.k
+        reqs = self._reserve_or_preempt(reqs, lambda r: r.num_cached + 2 * k + 1)
+        if not reqs:
+            return
+        table = self._table(reqs)
+        L = [r.num_cached for r in reqs]
+        # verify (or plain decode when k == 0): rows [x_L, d_1..d_k] at positions L..L+k, each its own decode row
+        meta = Meta.build("verify" if k else "decode", L, [k + 1] * len(reqs), table)
+        tokens = torch.tensor([t for r in reqs for t in [r.tokens[-1]] + (r.draft or [])], device=self.device)
+        h = self.model(tokens, meta, self.cache)
+        logits = self.model.logits(h).view(len(reqs), k + 1, -1)
+        extend = []
+        for b, r in enumerate(reqs):
+            if k == 0:
+                new = [int(logits[b, 0].argmax()) if r.temperature == 0 else
+                       int(sample_no_sync(probs_from_logits(logits[b], r.temperature, r.top_p)[0], r.gen))]
+            else:
+                new = speculative_accept(r.draft, r.q, logits[b], r.temperature, r.top_p, r.gen)
+                r.accept_lengths.append(len(new))
+            r.num_cached += len(new)                              # x_L and the accepted drafts now have KV
+            self._emit(r, new, logits[b])
+            if r.finish is None and k:
+                extend.append((b, r, len(new)))
+        if not extend:
+            return
+        # draft-extend: the MTP layer over the accepted tokens, pairs (h_{L+j}, x_{L+j+1}), rows at L..L+a
+        ereqs = [r for _, r, _ in extend]
+        meta = Meta.build("verify", [L[b] for b, _, _ in extend], [n for _, _, n in extend], self._table(ereqs))
+        rows = torch.tensor([b * (k + 1) + j for b, _, n in extend for j in range(n)], device=self.device)
+        next_tokens = torch.tensor([t for b, r, n in extend for t in r.tokens[L[b] + 1:L[b] + n + 1]],
+                                   device=self.device)
+        hm = self.model.mtp_forward(next_tokens, h[rows], meta, self.cache)
+        self._draft(ereqs, hm[[c - 1 for c in meta.cu_seqlens[1:]]])
+
+
+# ------------------------------------------------------------------------------------------------------------
+# CLI
+# ------------------------------------------------------------------------------------------------------------
+class _Parser(__import__("argparse").ArgumentParser):
+    def error(self, message):                                   # one line, no usage dump
+        self.exit(2, f"error: {message}\n")
+
+
+def main(argv=None):
+    import sys
+    ap = _Parser(description="DeepSeek-V3.2 inference (DSA sparse attention, MTP speculative decoding).")
+    ap.add_argument("--model", help="DeepSeek-V3.2 checkpoint directory (default: a tiny random one, written once)")
+    ap.add_argument("--prompt", action="append", default=[], help="prompt text (repeatable)")
+    ap.add_argument("--prompt-file", help="a file with one prompt per line")
+    ap.add_argument("--max-new-tokens", type=int, default=64)
+    ap.add_argument("--temperature", type=float, default=0.0)
+    ap.add_argument("--top-p", type=float, default=1.0)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--mtp", type=int, default=1, help="draft tokens per round (0 = no speculative decoding)")
+    ap.add_argument("--device", help="cpu or cuda (default: cuda if available)")
+    ap.add_argument("--thinking", action="store_true", help="chat in thinking mode")
+    ap.add_argument("--raw", action="store_true", help="plain completion, no chat template")
+    ap.add_argument("--max-context", type=int, help="refuse prompts + max_new_tokens longer than this")
+    ap.add_argument("--json", action="store_true", help="print one JSON document instead of streaming text")
+    args = ap.parse_args(argv)
+    try:
+        prompts = list(args.prompt)
+        if args.prompt_file:
+            with open(args.prompt_file) as f:
+                prompts += [line.rstrip("\n") for line in f if line.strip()]
+        if not prompts:
+            raise ValueError("give at least one --prompt or a --prompt-file")
+        llm = LLM(args.model, device=args.device, mtp=args.mtp, max_context=args.max_context)
+        stream = not args.json and len(prompts) == 1
+        printed = [""]
+
+        def on_tokens(i, toks):                                  # print the newly decodable text of prompt 0
+            text = llm.tokenizer.decode(results_so_far.setdefault(i, []) + toks)
+            results_so_far[i] += toks
+            if not text.endswith("\ufffd"):
+                sys.stdout.write(text[len(printed[0]):])
+                sys.stdout.flush()
+                printed[0] = text
+        results_so_far = {}
+        results = llm.generate(prompts, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
+                               top_p=args.top_p, seed=args.seed, thinking=args.thinking, raw=args.raw,
+                               on_tokens=on_tokens if stream else None)
+    except (ValueError, OSError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    s = llm.stats
+    if args.json:
+        print(json.dumps({"results": [dict(prompt=p, token_ids=r.token_ids, text=r.text, finish_reason=r.finish_reason,
+                                           accept_lengths=r.accept_lengths) for p, r in zip(prompts, results)],
+                          "stats": s}))
+        return 0
+    if not stream:
+        for p, r in zip(prompts, results):
+            print(f"--- {p!r}\n{r.text}")
+    else:
+        print()
+    spec = (f", mean accepted length {s['mean_accept_length']:.2f}, acceptance histogram {s['accept_histogram']}"
+            if s["mean_accept_length"] is not None else "")
+    print(f"[{s['tokens']} tokens in {s['seconds']:.2f} s, {s['tokens_per_s']:.1f} tokens/s{spec}]", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

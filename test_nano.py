@@ -483,3 +483,192 @@ def test_moe_routing_and_output_match_spec(model, monkeypatch):
     want_y = torch.stack([sum(moe.experts[int(e)](x[t:t + 1])[0].float() * w[t, j] for j, e in enumerate(idx[t]))
                           + moe.shared_experts(x[t:t + 1])[0].float() for t in range(64)])
     assert_bf16_close(y, want_y, "MoE output")
+
+
+# ------------------------------------------------------------------------------------------------------------
+# engine: speculative decoding, rejection sampling, continuous batching, KV pool, chat encoding, CLI
+# ------------------------------------------------------------------------------------------------------------
+_LLMS = {}
+
+
+def make_llm(tiny_dir, mtp, **kw):
+    key = (mtp, tuple(sorted(kw.items())))
+    if key not in _LLMS:
+        _LLMS[key] = m.LLM(tiny_dir, device="cpu", mtp=mtp, **kw)
+    return _LLMS[key]
+
+
+def mixed_prompts(n=8, seed=12):
+    g = torch.Generator().manual_seed(seed)
+    lens = [3, 70, 17, 41, 9, 55, 28, 36, 64, 12][:n]
+    return [torch.randint(6, 262, (k,), generator=g).tolist() for k in lens]
+
+
+def oracle_drafts(monkeypatch, reference, wrong_every=3):
+    """Patch the MTP draft pick to propose the plain run's next tokens, wrong at every `wrong_every`-th draft, so
+    verify accepts runs of drafts and rejects others."""
+    counter = [0]
+
+    def pick(self, r, logits):
+        counter[0] += 1
+        want = reference[r.idx]
+        pos = len(r.tokens) + len(r.draft) - r.prompt_len         # index of the drafted token in the output
+        t = want[pos] if pos < len(want) else 5
+        return (t if counter[0] % wrong_every else (t + 1) % 262), None
+    monkeypatch.setattr(m.LLM, "_pick", pick)
+
+
+@pytest.mark.parametrize("mtp", [1, 2, 3])
+def test_speculative_greedy_equals_plain_greedy(tiny_dir, monkeypatch, mtp):
+    prompts = mixed_prompts(8)
+    plain = make_llm(tiny_dir, 0).generate(prompts, max_new_tokens=20, return_logits=True)
+    ref = [r.token_ids for r in plain]
+    assert any(len(p) + 20 > m.Config.tiny().index_topk for p in prompts)
+    spec = make_llm(tiny_dir, mtp)
+    mtp_out = spec.generate(prompts, max_new_tokens=20)                  # the random MTP layer's own drafts
+    assert [r.token_ids for r in mtp_out] == ref
+    oracle_drafts(monkeypatch, ref)
+    out = spec.generate(prompts, max_new_tokens=20, return_logits=True)  # drafts accepted in runs
+    assert [r.token_ids for r in out] == ref
+    for a, b in zip(out, plain):
+        assert len(a.logits) == len(a.token_ids)
+        assert (a.logits - b.logits).abs().max() <= 1e-4 * b.logits.abs().max()
+    if mtp > 1:
+        assert spec.stats["mean_accept_length"] > 1.5 and max(spec.stats["accept_histogram"]) == mtp + 1
+        assert spec.stats["accept_histogram"][mtp + 1] > 0
+
+
+def _chi2(counts, p):
+    n = counts.sum()
+    return float(((counts - n * p) ** 2 / (n * p)).sum())
+
+
+CHI2_CRIT_DF5 = 20.515          # chi-square critical value, 5 degrees of freedom, p = 0.001
+
+
+def _sample_spec(p, q, n_seeds):
+    """For seeds 0..n-1: draw k drafts from q, verify against p; returns the emitted token lists."""
+    outs = []
+    for seed in range(n_seeds):
+        g = torch.Generator().manual_seed(seed)
+        draft = [int(m.sample_no_sync(q[j], g)) for j in range(q.shape[0])]
+        outs.append(m.speculative_accept(draft, q, p.log(), 1.0, 1.0, g))
+    return outs
+
+
+@pytest.mark.parametrize("broken", [None, "residual", "always_accept"])
+def test_rejection_sampling_is_exact(monkeypatch, broken):
+    """Over many seeds on a 6-token vocabulary, the first emitted token follows p (the main model), and the second
+    (when the first draft was accepted) follows p_1; a broken acceptance rule is detected by the same test."""
+    g = torch.Generator().manual_seed(0)
+    p = torch.softmax(torch.randn(3, 6, generator=g) * 1.5, -1)          # main-model rows for k=2 (+ bonus)
+    q = torch.softmax(torch.randn(2, 6, generator=g) * 1.5, -1)          # draft distributions
+    if broken == "residual":
+        monkeypatch.setattr(m, "residual_probs", lambda p_, q_: p_)     # resample from p instead of max(p-q, 0)
+    elif broken == "always_accept":
+        monkeypatch.setattr(torch, "rand", lambda *a, **k: torch.tensor(0.0))
+    outs = _sample_spec(p, q, 12000)
+    first = torch.bincount(torch.tensor([o[0] for o in outs]), minlength=6).double()
+    second = torch.bincount(torch.tensor([o[1] for o in outs if len(o) > 1]), minlength=6).double()
+    stat = max(_chi2(first, p[0].double()), _chi2(second, p[1].double()))
+    if broken is None:
+        assert stat < CHI2_CRIT_DF5, f"chi2 {stat:.1f}"
+    else:
+        assert stat > CHI2_CRIT_DF5, f"the broken rule ({broken}) went undetected: chi2 {stat:.1f}"
+
+
+def test_continuous_batching_equals_each_prompt_alone(tiny_dir):
+    prompts = mixed_prompts(8, seed=13)
+    llm = make_llm(tiny_dir, 2, max_batch=3, max_prefill_tokens=24)     # admission as others finish; chunked
+    together = llm.generate(prompts, max_new_tokens=12)
+    for p, r in zip(prompts, together):
+        assert llm.generate([p], max_new_tokens=12)[0].token_ids == r.token_ids
+
+
+def test_full_kv_pool_waits_or_preempts(tiny_dir):
+    prompts = mixed_prompts(6, seed=14)
+    free = make_llm(tiny_dir, 2).generate(prompts, max_new_tokens=16)
+    per_token = m.KVCache.bytes_per_token(m.Config.tiny())
+    small = make_llm(tiny_dir, 2, kv_cache_bytes=per_token * 160, page_size=8)   # 160 slots for ~300 tokens
+    out = small.generate(prompts, max_new_tokens=16)
+    assert [r.token_ids for r in out] == [r.token_ids for r in free]
+    assert small.stats["preemptions"] > 0
+    assert len(small.free_pages) == 20, "pages leaked"
+    with pytest.raises(ValueError, match="can never fit in the KV pool"):
+        small.generate([list(range(6, 200))], max_new_tokens=16)
+
+
+def test_sampling_runs_and_is_seeded(tiny_dir):
+    llm = make_llm(tiny_dir, 2)
+    a = llm.generate(mixed_prompts(3), max_new_tokens=10, temperature=0.9, top_p=0.9, seed=5)
+    b = llm.generate(mixed_prompts(3), max_new_tokens=10, temperature=0.9, top_p=0.9, seed=5)
+    c = llm.generate(mixed_prompts(3), max_new_tokens=10, temperature=0.9, top_p=0.9, seed=6)
+    assert [r.token_ids for r in a] == [r.token_ids for r in b] != [r.token_ids for r in c]
+    assert all(len(r.token_ids) == 10 or r.finish_reason == "eos" for r in a)
+
+
+@pytest.mark.skipif(not os.path.isfile(os.path.join(SHARED, "data", "deepseek-v3.2", "tokenizer.json")),
+                    reason="../shared/data/deepseek-v3.2 not present")
+def test_chat_encoding_with_real_tokenizer():
+    from tokenizers import Tokenizer
+    tok = Tokenizer.from_file(os.path.join(SHARED, "data", "deepseek-v3.2", "tokenizer.json"))
+    msgs = [{"role": "user", "content": "hello"}, {"role": "assistant", "content": "Hello! I am DeepSeek."},
+            {"role": "user", "content": "1+1=?"}]
+    ids = tok.encode(m.encode_chat(msgs, thinking=True), add_special_tokens=False).ids
+    assert ids == [0, 128803, 33310, 128804, 128799, 19923, 3, 342, 1030, 22651, 4374, 1465, 16, 1, 128803, 19, 13,
+                   19, 127252, 128804, 128798]
+    plain = tok.encode(m.encode_chat(msgs[:1]), add_special_tokens=False).ids
+    assert plain == [0, 128803, 33310, 128804, 128799]
+
+
+def _cli(args, env_cache):
+    import subprocess
+    import sys
+    env = dict(os.environ, NANO_NSA_CACHE=str(env_cache))
+    here = os.path.dirname(os.path.abspath(__file__))
+    return subprocess.run([sys.executable, os.path.join(here, "nano_nsa.py")] + args, capture_output=True,
+                          text=True, env=env, timeout=600)
+
+
+def test_cli_end_to_end(tiny_dir, tmp_path):
+    r = _cli(["--prompt", "Hello!", "--max-new-tokens", "8", "--mtp", "2"], tmp_path / "cache")
+    assert r.returncode == 0, r.stderr
+    assert "tokens/s" in r.stderr and "mean accepted length" in r.stderr
+    assert os.path.isfile(tmp_path / "cache" / "tiny-v1-seed0" / "model.safetensors.index.json")
+    r = _cli(["--model", tiny_dir, "--prompt", "a", "--prompt", "bb", "--json", "--max-new-tokens", "5",
+              "--temperature", "0.7", "--top-p", "0.9"], tmp_path / "cache")
+    assert r.returncode == 0, r.stderr
+    doc = json.loads(r.stdout)
+    assert len(doc["results"]) == 2 and all(len(x["token_ids"]) <= 5 for x in doc["results"])
+    assert doc["stats"]["tokens"] == sum(len(x["token_ids"]) for x in doc["results"])
+
+
+@pytest.mark.parametrize("case", ["missing_dir", "not_deepseek", "too_long", "max_new_tokens", "temperature",
+                                  "top_p_zero", "top_p_big", "unknown_option"])
+def test_cli_bad_input_is_one_clear_line(tiny_dir, tmp_path, case, capsys):
+    bad = tmp_path / "llama"
+    bad.mkdir()
+    (bad / "config.json").write_text(json.dumps({"model_type": "llama"}))
+    base = ["--model", tiny_dir, "--prompt", "hi"]
+    argv, message = {
+        "missing_dir": (["--model", str(tmp_path / "nope"), "--prompt", "hi"], "does not exist"),
+        "not_deepseek": (["--model", str(bad), "--prompt", "hi"], "not a DeepSeek-V3.2 config"),
+        "too_long": (base[:2] + ["--prompt", "x" * 100, "--max-context", "64"], "exceeds the context limit of 64"),
+        "max_new_tokens": (base + ["--max-new-tokens", "0"], "max_new_tokens must be > 0"),
+        "temperature": (base + ["--temperature", "-1"], "temperature must be >= 0"),
+        "top_p_zero": (base + ["--top-p", "0"], "top_p must be in (0, 1]"),
+        "top_p_big": (base + ["--top-p", "1.5"], "top_p must be in (0, 1]"),
+        "unknown_option": (base + ["--bogus"], "unrecognized arguments: --bogus"),
+    }[case]
+    try:
+        rc = m.main(argv)
+    except SystemExit as e:
+        rc = e.code
+    err = capsys.readouterr().err.strip()
+    assert rc != 0 and err.startswith("error: ") and message in err and "\n" not in err and "Traceback" not in err
+
+
+def test_context_limit_of_the_model(tiny_dir):
+    llm = make_llm(tiny_dir, 1)
+    with pytest.raises(ValueError, match="exceeds the context limit of 163840"):
+        llm.generate([[7] * 163830], max_new_tokens=20)
