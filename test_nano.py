@@ -672,3 +672,58 @@ def test_context_limit_of_the_model(tiny_dir):
     llm = make_llm(tiny_dir, 1)
     with pytest.raises(ValueError, match="exceeds the context limit of 163840"):
         llm.generate([[7] * 163830], max_new_tokens=20)
+
+
+def test_mtp_drafts_match_recomputed_mtp(tiny_dir, monkeypatch):
+    """Draft-extend keeps the MTP layer's cache and hidden state right: every round's first draft equals the MTP
+    argmax recomputed from scratch (main prefill over the final sequence, MTP over pairs (h_p, x_{p+1})), and the
+    second draft equals one chained MTP step at the next position."""
+    llm, cfg = make_llm(tiny_dir, 2), m.Config.tiny()
+    records, orig = [], m.LLM._draft
+
+    def draft(self, reqs, h):
+        orig(self, reqs, h)
+        records.extend((r.idx, r.num_cached, list(r.draft)) for r in reqs)
+    monkeypatch.setattr(m.LLM, "_draft", draft)
+    prompts = mixed_prompts(4, seed=15)
+    out = llm.generate(prompts, max_new_tokens=14)
+    model = llm.model
+    checked = 0
+    for i, (p, r) in enumerate(zip(prompts, out)):
+        seq = torch.tensor(p + r.token_ids)
+        cache = m.KVCache(cfg, 256)
+        table = torch.arange(256)[None]
+        meta = m.Meta.build("prefill", [0], [len(seq) - 1], table)
+        h = model(seq[:-1], meta, cache)
+        hm = model.mtp_forward(seq[1:], h, meta, cache)                   # position p: (h_p, x_{p+1})
+        d1_ref = model.mtp[0].logits(hm).argmax(-1)                       # predicts x_{p+2}
+        for idx, L, d in records:
+            if idx != i or L > len(seq) - 1:
+                continue
+            assert d[0] == int(d1_ref[L - 1]), f"prompt {i}: first draft at L={L}"
+            c2 = m.KVCache(cfg, 256)
+            c2.kv[:], c2.pe[:], c2.ik[:], c2.iks[:] = cache.kv, cache.pe, cache.ik, cache.iks
+            step = model.mtp_forward(torch.tensor([d[0]]), hm[L - 1:L], m.Meta.build("decode", [L], [1], table), c2)
+            assert d[1] == int(model.mtp[0].logits(step).argmax()), f"prompt {i}: second draft at L={L}"
+            checked += 1
+    assert checked >= 8
+
+
+def test_verify_and_draft_extend_use_the_decode_path(tiny_dir, monkeypatch):
+    """Outside prefill steps, no row goes through the per-head (prefill) attention form."""
+    llm, in_round = make_llm(tiny_dir, 3), [False]
+    orig_round, orig_attend = m.LLM._decode_round, m.MLA.attend_per_head
+
+    def decode_round(self, reqs):
+        in_round[0] = True
+        try:
+            return orig_round(self, reqs)
+        finally:
+            in_round[0] = False
+
+    def attend(self, *a, **k):
+        assert not in_round[0], "a decode round used the prefill attention path"
+        return orig_attend(self, *a, **k)
+    monkeypatch.setattr(m.LLM, "_decode_round", decode_round)
+    monkeypatch.setattr(m.MLA, "attend_per_head", attend)
+    llm.generate(mixed_prompts(3), max_new_tokens=6)
