@@ -15,9 +15,10 @@ Dimension legend used in shape comments:
 from __future__ import annotations
 
 import json
-import time
 import math
 import os
+import sys
+import time
 import zlib
 from dataclasses import dataclass, fields
 
@@ -913,7 +914,7 @@ def default_model_dir() -> str:
     path = os.path.join(root, "tiny-v1-seed0")
     if not os.path.isfile(os.path.join(path, "model.safetensors.index.json")):
         tmp = f"{path}.tmp{os.getpid()}"
-        print(f"writing the tiny random DeepSeek-V3.2 checkpoint to {path} (once)", flush=True)
+        print(f"writing the tiny random DeepSeek-V3.2 checkpoint to {path} (once)", file=sys.stderr, flush=True)
         save_random_checkpoint(tmp, Config.tiny(), seed=0)
         if os.path.isdir(path):
             import shutil
@@ -1008,7 +1009,12 @@ class LLM:
     def __init__(self, model_dir=None, device=None, mtp=1, kv_cache_bytes=None, page_size=16, max_batch=64,
                  max_prefill_tokens=1024, max_context=None):
         from tokenizers import Tokenizer
-        self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        try:
+            self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        except RuntimeError:
+            raise ValueError(f"unknown device {device!r}") from None
+        if self.device.type == "cuda" and not torch.cuda.is_available():
+            raise ValueError(f"device {device!r}: CUDA is not available on this machine")
         model_dir = model_dir or default_model_dir()
         self.model = load_model(model_dir, self.device)
         self.cfg = cfg = self.model.cfg
@@ -1065,6 +1071,8 @@ class LLM:
         """prompts: strings (chat-encoded as a user turn; raw=True: plain completion) or lists of token ids."""
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
+        if not prompts:
+            return []
         if max_new_tokens <= 0:
             raise ValueError(f"max_new_tokens must be > 0 (got {max_new_tokens})")
         if temperature < 0:
@@ -1240,7 +1248,6 @@ class _Parser(__import__("argparse").ArgumentParser):
 
 
 def main(argv=None):
-    import sys
     ap = _Parser(description="DeepSeek-V3.2 inference (DSA sparse attention, MTP speculative decoding).")
     ap.add_argument("--model", help="DeepSeek-V3.2 checkpoint directory (default: a tiny random one, written once)")
     ap.add_argument("--prompt", action="append", default=[], help="prompt text (repeatable)")
@@ -1278,9 +1285,11 @@ def main(argv=None):
         results = llm.generate(prompts, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
                                top_p=args.top_p, seed=args.seed, thinking=args.thinking, raw=args.raw,
                                on_tokens=on_tokens if stream else None)
-    except (ValueError, OSError) as e:
+    except (ValueError, OSError) as e:                         # bad input: one line, no traceback
         print(f"error: {e}", file=sys.stderr)
         return 1
+    except KeyboardInterrupt:
+        return 130
     s = llm.stats
     if args.json:
         print(json.dumps({"results": [dict(prompt=p, token_ids=r.token_ids, text=r.text, finish_reason=r.finish_reason,

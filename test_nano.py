@@ -146,6 +146,32 @@ def test_full_checkpoint_names_and_shapes():
     assert len([k for k in t if k.startswith(L + "61.") and k.endswith("_proj.weight")]) == 3 * 257 + 6
 
 
+def test_full_width_model_matches_checkpoint_table():
+    """The module tree built for the 671B config (on the meta device: no memory) has exactly the checkpoint's
+    tensors under the name mapping, with the same shapes."""
+    cfg = m.Config.full()
+    with torch.device("meta"):
+        model = m.Transformer(cfg)
+    params = {k: list(v.shape) for k, v in model.named_parameters()}
+    table = {m.ours_name(cfg, k): shape for k, (shape, kind) in m.checkpoint_tensors(cfg).items()}
+    assert params == table
+
+
+def test_random_checkpoint_activations_stay_realistic(model):
+    """Residual stream RMS stays O(1) through every layer (finite, neither vanishing nor exploding)."""
+    torch.manual_seed(16)
+    outs = []
+    hooks = [capture(layer, outs, what="output") for layer in model.layers]
+    h, _, _ = single_prefill(model, torch.randint(6, model.cfg.vocab_size, (50,)))
+    for hk in hooks:
+        hk.remove()
+    for i, (x, res) in enumerate(outs):
+        for name, t in (("ffn out", x), ("residual", res)):
+            rms = t.float().pow(2).mean().sqrt()
+            assert torch.isfinite(t.float()).all() and 0.05 < rms < 20, f"layer {i} {name} rms {rms:.3g}"
+    assert 0.5 < model.logits(h).std() < 20
+
+
 def test_write_load_round_trip_exact(tiny_dir, model):
     from safetensors.torch import load_file
     with open(os.path.join(tiny_dir, "model.safetensors.index.json")) as f:
@@ -644,7 +670,7 @@ def test_cli_end_to_end(tiny_dir, tmp_path):
 
 
 @pytest.mark.parametrize("case", ["missing_dir", "not_deepseek", "too_long", "max_new_tokens", "temperature",
-                                  "top_p_zero", "top_p_big", "unknown_option"])
+                                  "top_p_zero", "top_p_big", "unknown_option", "no_cuda", "bad_device"])
 def test_cli_bad_input_is_one_clear_line(tiny_dir, tmp_path, case, capsys):
     bad = tmp_path / "llama"
     bad.mkdir()
@@ -659,7 +685,11 @@ def test_cli_bad_input_is_one_clear_line(tiny_dir, tmp_path, case, capsys):
         "top_p_zero": (base + ["--top-p", "0"], "top_p must be in (0, 1]"),
         "top_p_big": (base + ["--top-p", "1.5"], "top_p must be in (0, 1]"),
         "unknown_option": (base + ["--bogus"], "unrecognized arguments: --bogus"),
+        "no_cuda": (base + ["--device", "cuda"], "CUDA is not available"),
+        "bad_device": (base + ["--device", "tpu9"], "unknown device"),
     }[case]
+    if case == "no_cuda" and torch.cuda.is_available():
+        pytest.skip("this machine has CUDA")
     try:
         rc = m.main(argv)
     except SystemExit as e:
