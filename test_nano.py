@@ -83,6 +83,18 @@ def single_prefill(model, tokens, num_slots=512):
     return model(tokens, meta, cache), meta, cache
 
 
+def prefill_capturing(model, n_tokens, seed, taps):
+    """single_prefill of random tokens with forward hooks; taps {name: (module, "input" | "output")}.
+    Returns ({name: the first captured args or output}, hidden, meta, cache)."""
+    torch.manual_seed(seed)
+    got = {name: [] for name in taps}
+    hooks = [capture(mod, got[name], what) for name, (mod, what) in taps.items()]
+    h, meta, cache = single_prefill(model, torch.randint(6, model.cfg.vocab_size, (n_tokens,)))
+    for hk in hooks:
+        hk.remove()
+    return {name: v[0] for name, v in got.items()}, h, meta, cache
+
+
 def naive_mla(attn, x, pos, latent, kpe, allowed):
     """Per-head MLA in fp64 from spec 3.6: q from x, per-head K = [W_UK c, k_pe], V = W_UV c over the context
     latents c, softmax over `allowed` [S, N] keys. Returns the o_proj input [S, H*V]."""
@@ -159,13 +171,9 @@ def test_full_width_model_matches_checkpoint_table():
 
 def test_random_checkpoint_activations_stay_realistic(model):
     """Residual stream RMS stays O(1) through every layer (finite, neither vanishing nor exploding)."""
-    torch.manual_seed(16)
-    outs = []
-    hooks = [capture(layer, outs, what="output") for layer in model.layers]
-    h, _, _ = single_prefill(model, torch.randint(6, model.cfg.vocab_size, (50,)))
-    for hk in hooks:
-        hk.remove()
-    for i, (x, res) in enumerate(outs):
+    taps = {i: (layer, "output") for i, layer in enumerate(model.layers)}
+    got, h, _, _ = prefill_capturing(model, 50, 16, taps)
+    for i, (x, res) in got.items():
         for name, t in (("ffn out", x), ("residual", res)):
             rms = t.float().pow(2).mean().sqrt()
             assert torch.isfinite(t.float()).all() and 0.05 < rms < 20, f"layer {i} {name} rms {rms:.3g}"
@@ -264,13 +272,9 @@ def test_activation_quantization_before_fp8_linear(model):
 
 
 def test_cached_latent_is_fp8_round_tripped(model):
-    torch.manual_seed(1)
-    tokens = torch.randint(6, model.cfg.vocab_size, (40,))
-    xs = []
-    hook = capture(model.layers[1].attn, xs)
-    _, meta, cache = single_prefill(model, tokens)
-    hook.remove()
-    attn, x = model.layers[1].attn, xs[0][0]
+    attn = model.layers[1].attn
+    got, _, meta, cache = prefill_capturing(model, 40, 1, {"x": (attn, "input")})
+    x = got["x"][0]
     kv = attn.kv_norm(attn.wkv_a(x)[:, :model.cfg.kv_lora_rank])
     cached = cache.kv[1][meta.slots]
     assert torch.equal(cached.double(), fake_quant_ref(kv))
@@ -278,13 +282,8 @@ def test_cached_latent_is_fp8_round_tripped(model):
 
 
 def test_indexer_key_uses_hadamard(model):
-    torch.manual_seed(2)
-    tokens = torch.randint(6, model.cfg.vocab_size, (30,))
-    xs = []
-    hook = capture(model.layers[0].attn, xs)
-    _, meta, cache = single_prefill(model, tokens)
-    hook.remove()
-    cfg, idx, x = model.cfg, model.layers[0].attn.indexer, xs[0][0]
+    got, _, meta, cache = prefill_capturing(model, 30, 2, {"x": (model.layers[0].attn, "input")})
+    cfg, idx, x = model.cfg, model.layers[0].attn.indexer, got["x"][0]
     k = F.layer_norm(idx.wk(x).float(), (128,), idx.k_norm.weight, idx.k_norm.bias, cfg.eps).to(torch.bfloat16)
     k = torch.cat([rope_ref(k[:, :64], meta.positions, cfg, interleaved=False), k[:, 64:]], -1)
     with_h = fake_quant_ref((k.double() @ sylvester(128) / math.sqrt(128)).to(torch.bfloat16))
@@ -295,14 +294,8 @@ def test_indexer_key_uses_hadamard(model):
 
 
 def test_final_norm_hidden_is_what_mtp_and_head_see(model):
-    torch.manual_seed(3)
-    tokens = torch.randint(6, model.cfg.vocab_size, (12,))
-    outs, norm_in = [], []
-    h1 = capture(model.layers[-1], outs, what="output")
-    h2 = capture(model.norm, norm_in)
-    h, meta, cache = single_prefill(model, tokens)
-    h1.remove(), h2.remove()
-    x, residual = outs[0]
+    got, h, _, _ = prefill_capturing(model, 12, 3, {"last": (model.layers[-1], "output")})
+    x, residual = got["last"]
     r = x.float() + residual.float()
     want = (model.norm.weight * r * torch.rsqrt(r.pow(2).mean(-1, keepdim=True) + 1e-6)).to(torch.bfloat16)
     assert torch.equal(h, want), "forward must return the hidden state after the final norm"
@@ -359,31 +352,19 @@ def test_absorbed_decode_equals_naive_per_head_mla(model):
 
 def test_sparse_with_topk_covering_context_equals_dense(model, monkeypatch):
     monkeypatch.setattr(model.cfg, "index_topk", 4096)
-    torch.manual_seed(6)
-    tokens = torch.randint(6, model.cfg.vocab_size, (70,))
-    ins, o = [], []
-    hooks = [capture(model.layers[2].attn, ins), capture(model.layers[2].attn.wo, o)]
-    _, meta, cache = single_prefill(model, tokens)
-    for hk in hooks:
-        hk.remove()
-    attn, x = model.layers[2].attn, ins[0][0]
+    attn = model.layers[2].attn
+    got, _, meta, cache = prefill_capturing(model, 70, 6, {"x": (attn, "input"), "o": (attn.wo, "input")})
     causal = torch.ones(70, 70, dtype=torch.bool).tril()
-    want = naive_mla(attn, x, meta.positions, cache.kv[2][meta.slots], cache.pe[2][meta.slots], causal)
-    assert_bf16_close(o[0][0], want, "sparse (top-k covers all) vs dense causal")
+    want = naive_mla(attn, got["x"][0], meta.positions, cache.kv[2][meta.slots], cache.pe[2][meta.slots], causal)
+    assert_bf16_close(got["o"][0], want, "sparse (top-k covers all) vs dense causal")
 
 
 def test_indexer_selects_true_topk_and_attention_is_masked_dense(model):
     cfg = model.cfg
-    torch.manual_seed(7)
-    S = 90
-    tokens = torch.randint(6, cfg.vocab_size, (S,))
-    ins, sel, o = [], [], []
-    attn = model.layers[1].attn
-    hooks = [capture(attn, ins), capture(attn.indexer, sel, "output"), capture(attn.wo, o)]
-    _, meta, cache = single_prefill(model, tokens)
-    for hk in hooks:
-        hk.remove()
-    x, sel = ins[0][0], sel[0]
+    S, attn = 90, model.layers[1].attn
+    got, _, meta, cache = prefill_capturing(model, S, 7, {"x": (attn, "input"), "sel": (attn.indexer, "output"),
+                                                          "o": (attn.wo, "input")})
+    x, sel = got["x"][0], got["sel"]
     # independent fp32 recomputation of I[s, t] (spec 3.7), explicit Hadamard matrix and FP8 fake-quantization
     idx, H = attn.indexer, sylvester(128) / math.sqrt(128)
     qr = attn.q_norm(attn.wq_a(x))
@@ -399,14 +380,14 @@ def test_indexer_selects_true_topk_and_attention_is_masked_dense(model):
     scores = scores.masked_fill(~causal, float("-inf"))
     checked = 0
     for s in range(S):
-        got = sel[s][sel[s] >= 0]
+        picked = sel[s][sel[s] >= 0]
         n = min(cfg.index_topk, s + 1)
-        assert len(got) == n and len(set(got.tolist())) == n and (got <= s).all()
+        assert len(picked) == n and len(set(picked.tolist())) == n and (picked <= s).all()
         if s + 1 > cfg.index_topk:
             kth = scores[s].topk(n).values[-1]
             tol = 1e-5 * scores[s, :s + 1].abs().max()
             chosen = torch.zeros(S, dtype=torch.bool)
-            chosen[got] = True
+            chosen[picked] = True
             assert (scores[s][chosen] >= kth - tol).all() and (scores[s][~chosen & causal[s]] <= kth + tol).all()
             checked += 1
     assert checked == S - cfg.index_topk
@@ -415,7 +396,7 @@ def test_indexer_selects_true_topk_and_attention_is_masked_dense(model):
         allowed[s, sel[s][sel[s] >= 0]] = True
     assert not torch.equal(allowed, causal)
     want = naive_mla(attn, x, meta.positions, cache.kv[1][meta.slots], cache.pe[1][meta.slots], allowed)
-    assert_bf16_close(o[0][0], want, "sparse attention vs dense masked to the selection")
+    assert_bf16_close(got["o"][0], want, "sparse attention vs dense masked to the selection")
 
 
 # ------------------------------------------------------------------------------------------------------------
