@@ -17,10 +17,12 @@ from __future__ import annotations
 import json
 import math
 import os
+import shutil
 import sys
 import time
 import zlib
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
+from itertools import accumulate
 
 import torch
 import torch.nn as nn
@@ -244,6 +246,11 @@ def ours_name(cfg: Config, hf_name: str) -> str:
     return ".".join(HF_TO_OURS.get(p, p) for p in parts)
 
 
+def _per_element(scale: torch.Tensor, shape) -> torch.Tensor:
+    """Block scales [ceil(out/128), ceil(in/128)] -> one scale per weight element [out, in] (edge blocks cut)."""
+    return scale.repeat_interleave(BLOCK, 0)[:shape[0]].repeat_interleave(BLOCK, 1)[:, :shape[1]]
+
+
 def quantize_weight(w: torch.Tensor):
     """fp32 [out, in] -> (float8_e4m3fn weight, float32 scale_inv [ceil(out/128), ceil(in/128)]), pow2 scales."""
     out_f, in_f = w.shape
@@ -251,15 +258,12 @@ def quantize_weight(w: torch.Tensor):
     pad = F.pad(w.float(), (0, ri * BLOCK - in_f, 0, ro * BLOCK - out_f))
     amax = pad.view(ro, BLOCK, ri, BLOCK).abs().amax(dim=(1, 3)).clamp(min=1e-4)
     scale = pow2_ceil(amax / FP8_MAX)                                   # ue8m0: scales are powers of two
-    q = (w / scale.repeat_interleave(BLOCK, 0)[:out_f].repeat_interleave(BLOCK, 1)[:, :in_f]).to(FP8)
-    return q, scale
+    return (w / _per_element(scale, w.shape)).to(FP8), scale
 
 
 def weight_dequant(w: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     """W[r, c] = fp8 W8[r, c] * scale_inv[r // 128, c // 128], in fp32 (exact: fp8 has a 4-bit significand)."""
-    out_f, in_f = w.shape
-    s = scale.repeat_interleave(BLOCK, 0)[:out_f].repeat_interleave(BLOCK, 1)[:, :in_f]
-    return w.float() * s
+    return w.float() * _per_element(scale, w.shape)
 
 
 def random_weight(name: str, shape, kind: str, seed: int) -> torch.Tensor:
@@ -292,43 +296,35 @@ def save_random_checkpoint(path, config: Config, seed: int = 0, shard_bytes: int
                        temperature=1.0, top_p=0.95), f, indent=2)
     if tokenizer:
         write_byte_tokenizer(path, config.vocab_size)
+    shards, cur, total = [], {}, 0          # shards: the tensor names of each shard written so far
+
+    def flush():                            # shard count is known only at the end: temporary names until then
+        nonlocal cur
+        save_file(cur, os.path.join(path, f".shard{len(shards)}.tmp"), metadata={"format": "pt"})
+        shards.append(list(cur))
+        cur = {}
+
     spec = {k: v for k, v in checkpoint_tensors(config).items() if v[1] != "scale"}
-    shards, cur, cur_bytes, total = [], {}, 0, 0
     for name, (shape, kind) in tqdm(spec.items(), desc="writing checkpoint", unit="tensor", leave=False):
         w = random_weight(name, shape, kind, seed)
         if kind == "fp8":
             q, s = quantize_weight(w)
-            new = {name: q, name + "_scale_inv": s}
-        else:
-            new = {name: w.to(torch.float32 if kind == "f32" or name.endswith("k_norm.weight") or
-                              name.endswith("k_norm.bias") else BF16)}
-        for k, v in new.items():
-            cur[k] = v.contiguous()
-            cur_bytes += v.numel() * v.element_size()
-        if cur_bytes >= shard_bytes:
-            shards.append(cur)
-            total += cur_bytes
-            cur, cur_bytes = {}, 0
-            _flush(path, shards, save_file)
+            cur.update({name: q.contiguous(), name + "_scale_inv": s.contiguous()})
+            total += q.numel() + 4 * s.numel()
+        else:                               # k_norm and the router bias are fp32 in the checkpoint, the rest bf16
+            cur[name] = w.to(torch.float32 if kind == "f32" or ".k_norm." in name else BF16).contiguous()
+            total += cur[name].numel() * cur[name].element_size()
+        if sum(t.numel() * t.element_size() for t in cur.values()) >= shard_bytes:
+            flush()
     if cur:
-        shards.append(cur)
-        total += cur_bytes
-        _flush(path, shards, save_file)
-    n = len(shards)
+        flush()
     weight_map = {}
-    for i, shard in enumerate(shards):
-        fname = f"model-{i + 1:05d}-of-{n:05d}.safetensors"
+    for i, names in enumerate(shards):
+        fname = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
         os.replace(os.path.join(path, f".shard{i}.tmp"), os.path.join(path, fname))
-        weight_map.update({k: fname for k in shard})
+        weight_map.update(dict.fromkeys(names, fname))
     with open(os.path.join(path, "model.safetensors.index.json"), "w") as f:
         json.dump({"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}, f, indent=2)
-
-
-def _flush(path, shards, save_file):
-    """Write the newest shard to a temporary name and keep only its tensor names in memory."""
-    i = len(shards) - 1
-    save_file(shards[i], os.path.join(path, f".shard{i}.tmp"), metadata={"format": "pt"})
-    shards[i] = dict.fromkeys(shards[i])
 
 
 # ------------------------------------------------------------------------------------------------------------
@@ -487,9 +483,7 @@ class Meta:
         dev = table.device
         positions = torch.cat([torch.arange(s, s + n) for s, n in zip(starts, lens)]).to(dev)
         row_req = torch.repeat_interleave(torch.arange(len(lens)), torch.tensor(lens)).to(dev)
-        cu = [0]
-        for n in lens:
-            cu.append(cu[-1] + n)
+        cu = list(accumulate(lens, initial=0))
         return cls(mode, positions, table[row_req, positions], row_req, table, positions + 1, cu)
 
 
@@ -596,8 +590,8 @@ class MLA(nn.Module):
         cache.pe[meta.slots] = rope(k_pe, cos, sin, interleaved=True)
         sel = self.indexer(x, qr, cos, sin, meta, cache)                 # [T, K'] context positions, -1 = none
         wkv_b = weight_dequant(self.wkv_b.weight, self.wkv_b.scale).view(H, D + V, C).to(acc_dtype(x))
-        # Attention math in fp32 (the reference rounds its intermediates to bf16): fused kernels keep fp32 too, and
-        # it makes the per-head and absorbed forms the same function up to fp32 summation order.
+        # Attention math in fp32 (fp64 on CPU, see acc_dtype) where the reference rounds intermediates to bf16:
+        # fused kernels keep fp32 too, and the per-head and absorbed forms become the same function.
         if meta.mode == "prefill":
             o = torch.cat([self.attend_per_head(q_nope[r], q_pe[r], wkv_b, sel[r], meta.table[b], cache)
                            for b, r in enumerate(_request_rows(meta))])
@@ -917,7 +911,6 @@ def default_model_dir() -> str:
         print(f"writing the tiny random DeepSeek-V3.2 checkpoint to {path} (once)", file=sys.stderr, flush=True)
         save_random_checkpoint(tmp, Config.tiny(), seed=0)
         if os.path.isdir(path):
-            import shutil
             shutil.rmtree(path)
         os.replace(tmp, path)
     return path
@@ -939,7 +932,8 @@ def probs_from_logits(logits, temperature, top_p):
 
 def sample_no_sync(probs, gen):
     """Exponential race: argmax p / E with E ~ Exp(1) is an exact draw from p, with no host round trip."""
-    return (probs / torch.empty_like(probs).exponential_(1, generator=gen)).argmax(-1)
+    e = torch.empty_like(probs).exponential_(1, generator=gen).clamp_(min=torch.finfo(probs.dtype).tiny)
+    return (probs / e).argmax(-1)                             # (E = 0 would make 0/0 = nan win for p = 0)
 
 
 def residual_probs(p, q):
@@ -980,11 +974,11 @@ class Request:
     gen: torch.Generator
     prefill_target: int          # prefill positions [0, target): the prompt, or all but the last token if resumed
     num_cached: int = 0          # positions whose main-model KV is in the pool; decode phase: len(tokens) - 1
-    pages: list = None
+    pages: list = field(default_factory=list)
     draft: list = None           # draft tokens for the next verify
     q: torch.Tensor = None       # [k, V] their draft distributions (sampling only)
-    logits: list = None          # main-model logits rows of the emitted tokens (return_logits)
-    accept_lengths: list = None
+    logits: list = field(default_factory=list)   # main-model logits rows of the emitted tokens (return_logits)
+    accept_lengths: list = field(default_factory=list)
     finish: str = None           # "eos" | "length" once done
 
     @property
@@ -1024,6 +1018,8 @@ class LLM:
         self.tokenizer = Tokenizer.from_file(tok_file)
         if mtp < 0 or (mtp > 0 and cfg.n_mtp_layers == 0):
             raise ValueError(f"mtp={mtp}: needs a checkpoint with an MTP layer and mtp >= 0")
+        if min(page_size, max_batch, max_prefill_tokens) < 1:
+            raise ValueError("page_size, max_batch and max_prefill_tokens must be >= 1")
         self.k, self.page_size, self.max_batch, self.max_prefill_tokens = mtp, page_size, max_batch, max_prefill_tokens
         if kv_cache_bytes is None:           # CPU: 256 MiB; GPU: most of what the weights left free
             kv_cache_bytes = (int(torch.cuda.mem_get_info(self.device)[0] * 0.8) if self.device.type == "cuda"
@@ -1080,6 +1076,7 @@ class LLM:
         if not 0 < top_p <= 1:
             raise ValueError(f"top_p must be in (0, 1] (got {top_p})")
         capacity = len(self.free_pages) * self.page_size
+        seed = int.from_bytes(os.urandom(6), "little") if seed is None else seed
         self.waiting, self.running, reqs = [], [], []
         for i, p in enumerate(prompts):
             ids = self.encode(p, thinking, raw)
@@ -1091,9 +1088,8 @@ class LLM:
             if len(ids) + max_new_tokens + 2 * self.k + 1 > capacity:
                 raise ValueError(f"prompt {i} ({len(ids)} tokens + {max_new_tokens} new) can never fit in the KV pool "
                                  f"of {capacity} slots; give the engine a larger kv_cache_bytes")
-            gen = torch.Generator(self.device).manual_seed((seed if seed is not None else 0) * 1_000_003 + i)
-            reqs.append(Request(i, list(ids), len(ids), max_new_tokens, temperature, top_p, gen, len(ids),
-                                pages=[], logits=[], accept_lengths=[]))
+            gen = torch.Generator(self.device).manual_seed((seed * 1_000_003 + i) % 2 ** 63)
+            reqs.append(Request(i, list(ids), len(ids), max_new_tokens, temperature, top_p, gen, len(ids)))
         self.waiting = list(reqs)
         self.on_tokens, self.return_logits, self.preemptions = on_tokens, return_logits, 0
         t0, rounds = time.perf_counter(), 0
@@ -1130,7 +1126,7 @@ class LLM:
             self.running.append(self.waiting.pop(0))
 
     def _emit(self, r, new_tokens, logits_rows):
-        """Append emitted tokens, stopping at EOS or max_new_tokens; finished requests free their pages."""
+        """Append emitted tokens, stopping at EOS or max_new_tokens (a finished request retires after the step)."""
         for j, t in enumerate(new_tokens):
             if t == self.cfg.eos_token_id or len(r.generated) >= r.max_new_tokens:
                 r.finish = "eos" if t == self.cfg.eos_token_id else "length"
@@ -1142,16 +1138,21 @@ class LLM:
                 self.on_tokens(r.idx, [t])
         if r.finish is None and len(r.generated) >= r.max_new_tokens:
             r.finish = "length"
-        if r.finish:
+
+    def _retire(self):
+        for r in [r for r in self.running if r.finish]:
             self.running.remove(r)
             self._release(r)
 
-    def _pick(self, r, logits):
-        """A draft token from the MTP logits [V]: argmax (greedy) or a draw from q (kept for the acceptance test)."""
+    def _sample(self, r, logits):
+        """One token from logits [V]: argmax (greedy) or a draw from the temperature / top-p distribution, which is
+        returned too (for a draft, it is the q of the acceptance test)."""
         if r.temperature == 0:
             return int(logits.argmax()), None
-        q = probs_from_logits(logits[None], r.temperature, r.top_p)[0]
-        return int(sample_no_sync(q, r.gen)), q
+        p = probs_from_logits(logits[None], r.temperature, r.top_p)[0]
+        return int(sample_no_sync(p, r.gen)), p
+
+    _pick = _sample                  # how a draft token is chosen from the MTP logits (tests swap in an oracle)
 
     def _prefill_step(self, reqs):
         chunks, budget = [], self.max_prefill_tokens
@@ -1170,11 +1171,9 @@ class LLM:
         for b, (r, s, n) in enumerate(chunks):
             r.num_cached += n
             if r.num_cached == len(r.tokens):                            # fresh prompt done: sample token 1
-                t = int(logits[b].argmax()) if r.temperature == 0 else \
-                    int(sample_no_sync(probs_from_logits(logits[b:b + 1], r.temperature, r.top_p)[0], r.gen))
-                self._emit(r, [t], logits[b:b + 1])
+                self._emit(r, [self._sample(r, logits[b])[0]], logits[b:b + 1])
         if self.k == 0:
-            return
+            return self._retire()
         # MTP over the same chunk: position p pairs the main hidden h_p with the next token x_{p+1}
         live = [b for b, (r, s, n) in enumerate(chunks) if r.finish is None]
         next_tokens = torch.tensor([r.tokens[s + i + 1] if b in live else 0 for b, (r, s, n) in enumerate(chunks)
@@ -1183,6 +1182,7 @@ class LLM:
         done = [b for b in live if chunks[b][0].num_cached == chunks[b][0].prefill_target]
         if done:
             self._draft([chunks[b][0] for b in done], hm[[last[b] for b in done]])
+        self._retire()
 
     def _draft(self, reqs, h):
         """k draft tokens per request: the first from the MTP row that just ran at position L-1 (hidden h), the rest
@@ -1218,8 +1218,7 @@ class LLM:
         extend = []
         for b, r in enumerate(reqs):
             if k == 0:
-                new = [int(logits[b, 0].argmax()) if r.temperature == 0 else
-                       int(sample_no_sync(probs_from_logits(logits[b], r.temperature, r.top_p)[0], r.gen))]
+                new = [self._sample(r, logits[b, 0])[0]]
             else:
                 new = speculative_accept(r.draft, r.q, logits[b], r.temperature, r.top_p, r.gen)
                 r.accept_lengths.append(len(new))
@@ -1227,6 +1226,7 @@ class LLM:
             self._emit(r, new, logits[b])
             if r.finish is None and k:
                 extend.append((b, r, len(new)))
+        self._retire()
         if not extend:
             return
         # draft-extend: the MTP layer over the accepted tokens, pairs (h_{L+j}, x_{L+j+1}), rows at L..L+a
