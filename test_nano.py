@@ -762,3 +762,42 @@ def test_gpu_engine_agrees_with_cpu(tiny_dir):
     print(f"GPU vs CPU greedy tokens equal: {same(cpu, g0)}/{total}; GPU speculative vs GPU plain: "
           f"{same(g0, g2)}/{total}")
     assert same(cpu, g0) >= 0.75 * total and same(g0, g2) >= 0.75 * total
+
+
+def test_eos_stops_generation_inside_accepted_drafts(tiny_dir, monkeypatch):
+    prompts = mixed_prompts(4, seed=17)
+    ref = [r.token_ids for r in make_llm(tiny_dir, 0).generate(prompts, max_new_tokens=16)]
+    eos = ref[1][6]                                          # pretend this token is EOS
+    for mtp in (0, 3):
+        llm = make_llm(tiny_dir, mtp)
+        monkeypatch.setattr(llm.cfg, "eos_token_id", eos)
+        if mtp:
+            oracle_drafts(monkeypatch, ref)
+        out = llm.generate(prompts, max_new_tokens=16)
+        for r, want in zip(out, ref):
+            cut = want.index(eos) if eos in want else len(want)
+            assert r.token_ids == want[:cut] and r.finish_reason == ("eos" if eos in want else "length")
+
+
+def test_streaming_and_prompt_encodings(tiny_dir):
+    llm = make_llm(tiny_dir, 2)
+    streamed = {}
+    out = llm.generate(["hi", "there"], max_new_tokens=9, on_tokens=lambda i, t: streamed.setdefault(i, []).extend(t))
+    assert [streamed[0], streamed[1]] == [r.token_ids for r in out]
+    tok = llm.tokenizer
+    ids = lambda s: tok.encode(s, add_special_tokens=False).ids      # noqa: E731
+    assert llm.encode("hi") == ids(m.BOS + m.USER) + ids("hi") + ids(m.ASSISTANT + m.END_THINK)
+    assert llm.encode("hi", thinking=True)[-1] == tok.token_to_id(m.THINK)
+    assert llm.encode("hi", raw=True) == [0] + ids("hi") and len(ids("hi")) == 2
+    assert llm.encode([5, 9, 11]) == [5, 9, 11]
+
+
+def test_cli_prompt_file_and_process_exit_codes(tiny_dir, tmp_path):
+    (tmp_path / "p.txt").write_text("first prompt\n\nsecond prompt\n")
+    r = _cli(["--model", tiny_dir, "--prompt-file", str(tmp_path / "p.txt"), "--max-new-tokens", "3", "--mtp", "0"],
+             tmp_path)
+    assert r.returncode == 0 and r.stdout.count("--- ") == 2, r.stderr
+    r = _cli(["--model", tiny_dir, "--prompt", "x", "--max-new-tokens", "0"], tmp_path)
+    assert r.returncode == 1 and r.stderr.strip() == "error: max_new_tokens must be > 0 (got 0)"
+    r = _cli(["--model", tiny_dir, "--prompt", "x", "--max-new-tokens", "many"], tmp_path)
+    assert r.returncode == 2 and r.stderr.count("\n") == 1 and "invalid int value" in r.stderr
