@@ -1,10 +1,12 @@
 """nano-nsa: DeepSeek-V3.2 inference in one readable file.
 
-Part 1, the model (read top to bottom): Config -> checkpoint format (writer + loader) -> building blocks
-(FP8 linear, RMSNorm, YaRN RoPE, Hadamard) -> lightning indexer -> MLA (prefill and absorbed decode form) ->
-MoE -> Block -> Transformer -> MTP layer. It computes what DeepSeek's official `inference/model.py` computes
-(../shared/docs/dsv32_spec.md is the specification); where it deliberately differs, a one-line comment says why.
-Part 2, the engine: paged KV cache, scheduler, MTP speculative decoding, the CLI.
+Part 1, the model (read top to bottom): Config -> checkpoint format and random-checkpoint writer -> building
+blocks (FP8 linear, RMSNorm, YaRN RoPE, Hadamard) -> forward metadata -> lightning indexer -> MLA (per-head
+prefill form, absorbed decode form) -> MoE -> Block -> MTP layer -> Transformer -> KV cache -> loader.
+It computes what DeepSeek's official `inference/model.py` computes (../shared/docs/dsv32_spec.md is the
+specification); where it deliberately differs, a one-line comment says why.
+Part 2, the engine: tokenizer and chat encoding, sampling and speculative acceptance, the engine (paged KV pool,
+continuous batching, chunked prefill, the MTP speculative loop), the CLI.
 
 Dimension legend used in shape comments:
   T tokens (rows) in the forward pass   B requests in the batch   N context positions of a request
@@ -370,14 +372,16 @@ def fp8_round_trip(x: torch.Tensor) -> torch.Tensor:
     return act_dequant(*act_quant(x)).to(BF16)
 
 
+def _param(*shape, dtype):
+    return nn.Parameter(torch.empty(*shape, dtype=dtype), requires_grad=False)   # inference only: no grads
+
+
 class Linear(nn.Module):
     """x W^T. fp8=True: float8_e4m3fn weight + float32 `scale` per 128x128 block; else a plain `dtype` weight."""
     def __init__(self, in_features, out_features, fp8=True, dtype=BF16):
         super().__init__()
-        self.weight = nn.Parameter(torch.empty(out_features, in_features, dtype=FP8 if fp8 else dtype),
-                                   requires_grad=False)
-        self.scale = nn.Parameter(torch.empty(-(-out_features // BLOCK), -(-in_features // BLOCK),
-                                              dtype=torch.float32), requires_grad=False) if fp8 else None
+        self.weight = _param(out_features, in_features, dtype=FP8 if fp8 else dtype)
+        self.scale = _param(-(-out_features // BLOCK), -(-in_features // BLOCK), dtype=torch.float32) if fp8 else None
 
     def forward(self, x):
         if self.scale is not None:
@@ -392,7 +396,7 @@ class RMSNorm(nn.Module):
     def __init__(self, dim, eps):
         super().__init__()
         self.eps = eps
-        self.weight = nn.Parameter(torch.empty(dim, dtype=torch.float32), requires_grad=False)
+        self.weight = _param(dim, dtype=torch.float32)
 
     def forward(self, x, residual=None):
         x = x.float() if residual is None else x.float() + residual.float()
@@ -405,8 +409,7 @@ class LayerNorm(nn.Module):
     def __init__(self, dim, eps):
         super().__init__()
         self.eps = eps
-        self.weight = nn.Parameter(torch.empty(dim, dtype=torch.float32), requires_grad=False)
-        self.bias = nn.Parameter(torch.empty(dim, dtype=torch.float32), requires_grad=False)
+        self.weight, self.bias = _param(dim, dtype=torch.float32), _param(dim, dtype=torch.float32)
 
     def forward(self, x):
         return F.layer_norm(x.float(), x.shape[-1:], self.weight, self.bias, self.eps).to(BF16)
@@ -415,7 +418,7 @@ class LayerNorm(nn.Module):
 class Embedding(nn.Module):
     def __init__(self, vocab, dim):
         super().__init__()
-        self.weight = nn.Parameter(torch.empty(vocab, dim, dtype=BF16), requires_grad=False)
+        self.weight = _param(vocab, dim, dtype=BF16)
 
     def forward(self, tokens):
         return F.embedding(tokens, self.weight)
@@ -637,8 +640,8 @@ class Gate(nn.Module):
     def __init__(self, cfg: Config):
         super().__init__()
         self.cfg = cfg
-        self.weight = nn.Parameter(torch.empty(cfg.n_routed_experts, cfg.dim, dtype=BF16), requires_grad=False)
-        self.bias = nn.Parameter(torch.empty(cfg.n_routed_experts, dtype=torch.float32), requires_grad=False)
+        self.weight = _param(cfg.n_routed_experts, cfg.dim, dtype=BF16)
+        self.bias = _param(cfg.n_routed_experts, dtype=torch.float32)                   # selection only
 
     def forward(self, x):
         cfg, T = self.cfg, x.shape[0]
