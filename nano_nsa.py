@@ -128,6 +128,8 @@ class Config:
         if q.get("quant_method") != "fp8" or q.get("fmt", "e4m3") != "e4m3" or \
                 list(q.get("weight_block_size", [])) != [BLOCK, BLOCK]:
             raise ValueError(f"{path}: expected quantization_config fp8 e4m3 with weight_block_size [128, 128]")
+        if q.get("scale_fmt", "ue8m0") != "ue8m0":     # activation scales are powers of two (ue8m0) here
+            raise ValueError(f"{path}: scale_fmt {q['scale_fmt']!r} is not supported (DeepSeek-V3.2 uses 'ue8m0')")
         names = {f.name for f in fields(cls)}
         kw = {cls.HF_NAMES.get(k, k): v for k, v in hf.items() if cls.HF_NAMES.get(k, k) in names}
         rope = hf.get("rope_scaling") or {}

@@ -137,6 +137,15 @@ def test_config_rejects_other_models(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama", "hidden_size": 4096}))
     with pytest.raises(ValueError, match="not a DeepSeek-V3.2 config"):
         m.Config.from_json(str(tmp_path))
+    hf = m.Config.tiny().to_hf()
+    hf["quantization_config"]["scale_fmt"] = None
+    (tmp_path / "config.json").write_text(json.dumps(hf))
+    with pytest.raises(ValueError, match="scale_fmt None is not supported"):
+        m.Config.from_json(str(tmp_path))
+    hf["quantization_config"]["scale_fmt"], hf["n_group"] = "ue8m0", 3
+    (tmp_path / "config.json").write_text(json.dumps(hf))
+    with pytest.raises(ValueError, match="invalid DeepSeek-V3.2 config: experts must split evenly"):
+        m.Config.from_json(str(tmp_path))
 
 
 def test_full_checkpoint_names_and_shapes():
