@@ -810,3 +810,37 @@ def test_cli_prompt_file_and_process_exit_codes(tiny_dir, tmp_path):
     assert r.returncode == 1 and r.stderr.strip() == "error: max_new_tokens must be > 0 (got 0)"
     r = _cli(["--model", tiny_dir, "--prompt", "x", "--max-new-tokens", "many"], tmp_path)
     assert r.returncode == 2 and r.stderr.count("\n") == 1 and "invalid int value" in r.stderr
+
+
+def _chi2_crit(df, z=3.09):
+    """Chi-square critical value at p = 0.001 (Wilson-Hilferty approximation)."""
+    return df * (1 - 2 / (9 * df) + z * math.sqrt(2 / (9 * df))) ** 3
+
+
+@pytest.mark.parametrize("broken", [None, "wrong_row"])
+def test_speculative_sampling_follows_main_model_end_to_end(tiny_dir, monkeypatch, broken):
+    """The engine with the (random) MTP layer drafting: each request's 2nd token is settled by one verify round
+    (accepted draft, or a residual draw). Pooled over 1500 seeds, its counts match the main model's own
+    distributions (the returned logits rows) by a chi-square test; judging a draft by the wrong verify row is
+    caught. (The acceptance rule itself is checked on exact distributions in test_rejection_sampling_is_exact.)"""
+    if broken:
+        accept = m.speculative_accept
+        monkeypatch.setattr(m, "speculative_accept", lambda d, q, lg, *a: accept(d, q, torch.roll(lg, -1, 0), *a))
+    llm = make_llm(tiny_dir, 1, max_batch=2048)
+    monkeypatch.setattr(llm.cfg, "eos_token_id", -1)        # EOS would hide the logits row of the 2nd token
+    T, top_p = 0.6, 0.95
+    out = llm.generate([[0, 40, 50, 60]] * 1500, max_new_tokens=2, temperature=T, top_p=top_p, seed=3,
+                       return_logits=True)
+    assert all(len(r.token_ids) == 2 and r.accept_lengths in ([1], [2]) for r in out)
+    expected = sum(m.probs_from_logits(r.logits[1:2], T, top_p)[0].double() for r in out)
+    observed = torch.bincount(torch.tensor([r.token_ids[1] for r in out]), minlength=len(expected)).double()
+    big = expected >= 5
+    e = torch.cat([expected[big], expected[~big].sum()[None]])
+    o = torch.cat([observed[big], observed[~big].sum()[None]])
+    stat, df = float(((o - e) ** 2 / e).sum()), len(e) - 1
+    rejected = sum(r.accept_lengths == [1] for r in out)
+    assert rejected > 300, "the draft was rarely rejected: the residual rule is not exercised"
+    if broken is None:
+        assert stat < _chi2_crit(df), f"chi2 {stat:.1f} for df {df}"
+    else:
+        assert stat > _chi2_crit(df), f"the wrong verify row went undetected: chi2 {stat:.1f} for df {df}"
