@@ -1087,6 +1087,8 @@ class LLM:
             ids = self.encode(p, thinking, raw)
             if not ids:
                 raise ValueError(f"prompt {i} is empty")
+            if min(ids) < 0 or max(ids) >= self.cfg.vocab_size:
+                raise ValueError(f"prompt {i} has token ids outside [0, {self.cfg.vocab_size})")
             if len(ids) + max_new_tokens > self.max_context:
                 raise ValueError(f"prompt {i} has {len(ids)} tokens; with max_new_tokens={max_new_tokens} it exceeds "
                                  f"the context limit of {self.max_context} tokens")

@@ -799,6 +799,9 @@ def test_streaming_and_prompt_encodings(tiny_dir):
     assert llm.encode("hi", thinking=True)[-1] == tok.token_to_id(m.THINK)
     assert llm.encode("hi", raw=True) == [0] + ids("hi") and len(ids("hi")) == 2
     assert llm.encode([5, 9, 11]) == [5, 9, 11]
+    for bad, msg in (([[5, 288]], "outside"), ([[]], "empty")):
+        with pytest.raises(ValueError, match=msg):
+            llm.generate(bad)
 
 
 def test_cli_prompt_file_and_process_exit_codes(tiny_dir, tmp_path):
