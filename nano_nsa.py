@@ -491,6 +491,10 @@ class Meta:
         cu = list(accumulate(lens, initial=0))
         return cls(mode, positions, table[row_req, positions], row_req, table, positions + 1, cu)
 
+    def request_rows(self):
+        """The row slice of each request."""
+        return [slice(a, b) for a, b in zip(self.cu_seqlens[:-1], self.cu_seqlens[1:])]
+
 
 @dataclass
 class LayerCache:
@@ -544,8 +548,7 @@ class Indexer(nn.Module):
         w = self.weights_proj(x) * cfg.index_n_heads ** -0.5 * qs[..., 0] * cfg.index_head_dim ** -0.5  # [T, I]
         if meta.mode == "prefill":                       # a prompt chunk's rows share their request's keys
             out = []
-            for b in range(len(meta.cu_seqlens) - 1):
-                r = slice(meta.cu_seqlens[b], meta.cu_seqlens[b + 1])
+            for b, r in enumerate(meta.request_rows()):
                 ctx = meta.table[b, :int(meta.ctx_lens[r].max())]                         # [N] slots
                 s = index_scores(q8[r], w[r], cache.ik[ctx][None], cache.iks[ctx][None])
                 out.append(topk_positions(s, meta.ctx_lens[r], cfg.index_topk))
@@ -599,7 +602,7 @@ class MLA(nn.Module):
         # fused kernels keep fp32 too, and the per-head and absorbed forms become the same function.
         if meta.mode == "prefill":
             o = torch.cat([self.attend_per_head(q_nope[r], q_pe[r], wkv_b, sel[r], meta.table[b], cache)
-                           for b, r in enumerate(_request_rows(meta))])
+                           for b, r in enumerate(meta.request_rows())])
         else:
             q_abs = torch.einsum("thd,hdc->thc", q_nope.to(wkv_b.dtype), wkv_b[:, :D])  # absorb W_UK: [T, H, C]
             slots = torch.where(sel >= 0, meta.table[meta.row_req[:, None], sel.clamp(min=0)], -1)
@@ -618,10 +621,6 @@ class MLA(nn.Module):
         mask.scatter_(1, torch.where(sel >= 0, sel, ctx.shape[0]), 0.0)          # -1 -> a spare last column
         p = (scores + mask[:, None, :-1]).softmax(-1)                            # [S, H, N]
         return torch.einsum("shn,nhv->shv", p, kvf[..., D:])                     # [S, H, V]
-
-
-def _request_rows(meta: Meta):
-    return [slice(a, b) for a, b in zip(meta.cu_seqlens[:-1], meta.cu_seqlens[1:])]
 
 
 # ------------------------------------------------------------------------------------------------------------
