@@ -243,6 +243,9 @@ HF_TO_OURS = {"embed_tokens": "embed", "input_layernorm": "attn_norm", "post_att
               "weight_scale_inv": "scale", "e_score_correction_bias": "bias"}
 
 
+MTP_OWN = {"embed_tokens", "enorm", "hnorm", "eh_proj", "shared_head"}   # MTP-layer names outside its block
+
+
 def ours_name(cfg: Config, hf_name: str) -> str:
     parts = hf_name.removeprefix("model.").split(".")
     if parts[0] == "layers" and int(parts[1]) >= cfg.n_layers:       # MTP layer: its decoder block is `block`
@@ -747,7 +750,6 @@ class KVCache:
     rope key (bf16, 1152 B/token/layer at full size), the indexer key (FP8, 128 B) and its fp32 scale."""
     def __init__(self, cfg: Config, num_slots: int, device="cpu"):
         L = cfg.n_layers + cfg.n_mtp_layers
-        self.num_slots = num_slots
         self.kv = torch.zeros(L, num_slots, cfg.kv_lora_rank, dtype=BF16, device=device)
         self.pe = torch.zeros(L, num_slots, cfg.qk_rope_head_dim, dtype=BF16, device=device)
         self.ik = torch.zeros(L, num_slots, cfg.index_head_dim, dtype=FP8, device=device)
@@ -768,7 +770,6 @@ class KVCache:
 SAFETENSORS_DTYPES = {"F8_E4M3": FP8, "BF16": BF16, "F32": torch.float32, "F16": torch.float16,
                       "F64": torch.float64, "I64": torch.int64, "I32": torch.int32, "U8": torch.uint8,
                       "F8_E5M2": torch.float8_e5m2, "BOOL": torch.bool}
-MTP_OWN = {"embed_tokens", "enorm", "hnorm", "eh_proj", "shared_head"}
 
 
 def _shard_files(path):
@@ -1081,7 +1082,7 @@ class LLM:
             raise ValueError(f"top_p must be in (0, 1] (got {top_p})")
         capacity = len(self.free_pages) * self.page_size
         seed = int.from_bytes(os.urandom(6), "little") if seed is None else seed
-        self.waiting, self.running, reqs = [], [], []
+        reqs = []
         for i, p in enumerate(prompts):
             ids = self.encode(p, thinking, raw)
             if not ids:
@@ -1096,7 +1097,7 @@ class LLM:
                                  f"of {capacity} slots; give the engine a larger kv_cache_bytes")
             gen = torch.Generator(self.device).manual_seed((seed * 1_000_003 + i) % 2 ** 63)
             reqs.append(Request(i, list(ids), len(ids), max_new_tokens, temperature, top_p, gen, len(ids)))
-        self.waiting = list(reqs)
+        self.waiting, self.running = list(reqs), []
         self.on_tokens, self.return_logits, self.preemptions = on_tokens, return_logits, 0
         t0, rounds = time.perf_counter(), 0
         while self.waiting or self.running:
@@ -1278,16 +1279,15 @@ def main(argv=None):
             raise ValueError("give at least one --prompt or a --prompt-file")
         llm = LLM(args.model, device=args.device, mtp=args.mtp, max_context=args.max_context)
         stream = not args.json and len(prompts) == 1
-        printed = [""]
+        streamed, printed = [], [""]
 
-        def on_tokens(i, toks):                                  # print the newly decodable text of prompt 0
-            text = llm.tokenizer.decode(results_so_far.setdefault(i, []) + toks)
-            results_so_far[i] += toks
+        def on_tokens(i, toks):                  # one prompt: print its newly decodable text (whole UTF-8 chars)
+            streamed.extend(toks)
+            text = llm.tokenizer.decode(streamed)
             if not text.endswith("\ufffd"):
                 sys.stdout.write(text[len(printed[0]):])
                 sys.stdout.flush()
                 printed[0] = text
-        results_so_far = {}
         results = llm.generate(prompts, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
                                top_p=args.top_p, seed=args.seed, thinking=args.thinking, raw=args.raw,
                                on_tokens=on_tokens if stream else None)
