@@ -25,6 +25,7 @@ import time
 import zlib
 from dataclasses import dataclass, field, fields
 from itertools import accumulate
+from types import SimpleNamespace
 
 import torch
 import torch.nn as nn
@@ -475,8 +476,10 @@ def hadamard(x: torch.Tensor) -> torch.Tensor:
 @dataclass
 class Meta:
     """Everything a forward pass needs to know about its batch; built once per step, shared by every layer.
-    mode 'prefill': rows are chunks of prompts (MLA in per-head form); 'decode' / 'verify': every row is its own
-    decode query with its own causal length (absorbed MLA), one row per request or k+1 rows per request."""
+    mode 'prefill': rows are chunks of prompts; 'decode' / 'verify': every row is its own decode query with its
+    own causal length, one row per request or k+1 rows per request. Attention runs in one of two forms:
+    dense per-head causal attention for prompt chunks whose context fits in top-k (DSA selects everything
+    there), and sparse absorbed rows (each row its top-k slots) for every other row, prefill rows included."""
     mode: str
     positions: torch.Tensor      # [T] absolute position of each row's token
     slots: torch.Tensor          # [T] KV-pool slot the row's token is written to
@@ -484,15 +487,27 @@ class Meta:
     table: torch.Tensor          # [B, N] KV-pool slot of every context position of each request (page size 1)
     ctx_lens: torch.Tensor       # [T] causal length of each row = position + 1
     cu_seqlens: list             # [B + 1] host: row offsets of each request
+    ctx_host: torch.Tensor       # [T] ctx_lens on the host (the kernels' schedule is planned from it)
+    plan: object = None          # the attention kernel's plan for these rows (ops.plan), made once per step
 
     @classmethod
     def build(cls, mode, starts, lens, table):
         """Request b has rows for positions starts[b] .. starts[b] + lens[b] - 1."""
         dev = table.device
-        positions = torch.cat([torch.arange(s, s + n) for s, n in zip(starts, lens)]).to(dev)
+        positions = torch.cat([torch.arange(s, s + n) for s, n in zip(starts, lens)])
         row_req = torch.repeat_interleave(torch.arange(len(lens)), torch.tensor(lens)).to(dev)
         cu = list(accumulate(lens, initial=0))
-        return cls(mode, positions, table[row_req, positions], row_req, table, positions + 1, cu)
+        pos = positions.to(dev)
+        return cls(mode, pos, table[row_req, pos], row_req, table, pos + 1, cu, positions + 1)
+
+    @property
+    def max_ctx(self):
+        return int(self.ctx_host.max())
+
+    def dense(self, index_topk):
+        """True for prompt chunks whose whole context fits in top-k: DSA selects every position, so attention
+        is plain causal attention (per-head form) and the indexer only stores its keys."""
+        return self.mode == "prefill" and self.max_ctx <= index_topk
 
     def request_rows(self):
         """The row slice of each request."""
@@ -501,10 +516,18 @@ class Meta:
 
 @dataclass
 class LayerCache:
-    kv: torch.Tensor             # [S, C] bf16  normalized latent, FP8-rounded
-    pe: torch.Tensor             # [S, R] bf16  rope key (shared by all heads)
+    latent: torch.Tensor         # [S, C + R] bf16  one row per slot: normalized latent (FP8-rounded) | rope key
     ik: torch.Tensor             # [S, J] fp8   indexer key
     iks: torch.Tensor            # [S]    fp32  indexer key scale
+    C: int                       # kv_lora_rank
+
+    @property
+    def kv(self):                # [S, C] a view: kernels read `latent` packed (576) or split (512 + 64)
+        return self.latent[:, :self.C]
+
+    @property
+    def pe(self):                # [S, R]
+        return self.latent[:, self.C:]
 
 
 # ------------------------------------------------------------------------------------------------------------
@@ -528,7 +551,25 @@ def topk_positions(scores, ctx_lens, k):
     return torch.where(idx < ctx_lens[:, None], idx, -1)
 
 
+def index_topk(q8, w, cache: LayerCache, meta: Meta, k):
+    """Reference of the lightning-indexer kernel: score each row's causal context against the cached FP8 keys
+    and keep its top-min(k, N) positions [T, min(k, N)] (-1 = none; N = the longest row context)."""
+    if meta.mode == "prefill":                           # a prompt chunk's rows share their request's keys
+        out = []
+        for b, r in enumerate(meta.request_rows()):
+            ctx = meta.table[b, :int(meta.ctx_lens[r].max())]                             # [N] slots
+            s = index_scores(q8[r], w[r], cache.ik[ctx][None], cache.iks[ctx][None])
+            out.append(topk_positions(s, meta.ctx_lens[r], k))
+        width = min(k, meta.max_ctx)
+        return torch.cat([F.pad(o, (0, width - o.shape[1]), value=-1) for o in out])
+    ctx = meta.table[meta.row_req, :meta.max_ctx]        # decode/verify: flattened rows [T, N]
+    s = index_scores(q8, w, cache.ik[ctx], cache.iks[ctx])
+    return topk_positions(s, meta.ctx_lens, k)
+
+
 class Indexer(nn.Module):
+    ops = None                   # the kernel set (TORCH_OPS or kernels.GPU_OPS), bound once by Transformer.bind
+
     def __init__(self, cfg: Config):
         super().__init__()
         self.cfg = cfg
@@ -538,45 +579,54 @@ class Indexer(nn.Module):
         self.weights_proj = Linear(cfg.dim, cfg.index_n_heads, fp8=False, dtype=torch.float32)
 
     def forward(self, x, qr, cos, sin, meta: Meta, cache: LayerCache):
-        """-> [T, min(K, N)] selected context positions per row (-1 = none). Writes this pass's keys first,
-        so every row can select its own token."""
+        """-> [T, min(K, N)] selected context positions per row (-1 = none), or None for a dense prompt chunk.
+        Writes this pass's keys first, so every row can select its own token."""
         cfg, T, R = self.cfg, x.shape[0], self.cfg.qk_rope_head_dim
-        q = self.wq_b(qr).view(T, cfg.index_n_heads, cfg.index_head_dim)                  # [T, I, J]
-        q = torch.cat([rope(q[..., :R], cos, sin, interleaved=False), q[..., R:]], -1)   # rope on the FIRST R dims
         k = self.k_norm(self.wk(x))                                                       # [T, J]
-        k = torch.cat([rope(k[..., :R], cos, sin, interleaved=False), k[..., R:]], -1)
-        q8, qs = act_quant(hadamard(q))                  # [T, I, J] fp8, [T, I, 1]: one scale per head vector
+        k = torch.cat([rope(k[..., :R], cos, sin, interleaved=False), k[..., R:]], -1)   # rope on the FIRST R dims
         k8, ks = act_quant(hadamard(k))                  # [T, J] fp8, [T, 1]
         cache.ik[meta.slots], cache.iks[meta.slots] = k8, ks[:, 0]
+        if meta.dense(cfg.index_topk):                   # the whole context is selected: only the keys are needed
+            return None
+        if meta.max_ctx <= cfg.index_topk:               # every row selects its whole context (SGLang skips too)
+            n = torch.arange(meta.max_ctx, device=x.device)
+            return torch.where(n < meta.ctx_lens[:, None], n, -1)
+        q = self.wq_b(qr).view(T, cfg.index_n_heads, cfg.index_head_dim)                  # [T, I, J]
+        q = torch.cat([rope(q[..., :R], cos, sin, interleaved=False), q[..., R:]], -1)
+        q8, qs = act_quant(hadamard(q))                  # [T, I, J] fp8, [T, I, 1]: one scale per head vector
         w = self.weights_proj(x) * cfg.index_n_heads ** -0.5 * qs[..., 0] * cfg.index_head_dim ** -0.5  # [T, I]
-        if meta.mode == "prefill":                       # a prompt chunk's rows share their request's keys
-            out = []
-            for b, r in enumerate(meta.request_rows()):
-                ctx = meta.table[b, :int(meta.ctx_lens[r].max())]                         # [N] slots
-                s = index_scores(q8[r], w[r], cache.ik[ctx][None], cache.iks[ctx][None])
-                out.append(topk_positions(s, meta.ctx_lens[r], cfg.index_topk))
-            width = max(o.shape[1] for o in out)
-            return torch.cat([F.pad(o, (0, width - o.shape[1]), value=-1) for o in out])
-        ctx = meta.table[meta.row_req, :int(meta.ctx_lens.max())]     # decode/verify: flattened rows [T, N]
-        s = index_scores(q8, w, cache.ik[ctx], cache.iks[ctx])
-        return topk_positions(s, meta.ctx_lens, cfg.index_topk)
+        return self.ops.index_topk(q8, w, cache, meta, cfg.index_topk)
 
 
 # ------------------------------------------------------------------------------------------------------------
 # MLA: multi-head latent attention over the indexer's selection (spec 3.6, 3.8)
 # ------------------------------------------------------------------------------------------------------------
-def sparse_mla_decode(q_abs, q_pe, kv_cache, pe_cache, slots, scale):
-    """Absorbed ("MQA") sparse attention, one query row per token. Readable reference of the GPU kernel.
-    q_abs [T, H, C] (q_nope already multiplied into the latent space), q_pe [T, H, R];
-    kv_cache [S, C], pe_cache [S, R]; slots [T, K] the selected KV-pool slots (-1 = none) -> o_lat [T, H, C] fp32."""
+def sparse_mla(q_abs, q_pe, cache: LayerCache, slots, meta: Meta, scale):
+    """Absorbed ("MQA") sparse attention, one query row per token: the reference of the sparse MLA decode kernel.
+    q_abs [T, H, C] (q_nope already multiplied into the latent space), q_pe [T, H, R]; slots [T, K] each row's
+    selected KV-pool slots (-1 = none; the valid ones first) -> o_lat [T, H, C] fp32. (`meta.plan` is the kernel's.)"""
     valid, acc = slots >= 0, acc_dtype(q_abs)
-    kv, pe = kv_cache[slots.clamp(min=0)].to(acc), pe_cache[slots.clamp(min=0)].to(acc)   # [T, K, C], [T, K, R]
+    kv, pe = cache.kv[slots.clamp(min=0)].to(acc), cache.pe[slots.clamp(min=0)].to(acc)  # [T, K, C], [T, K, R]
     scores = (q_abs.to(acc) @ kv.transpose(1, 2) + q_pe.to(acc) @ pe.transpose(1, 2)) * scale  # [T, H, K]
     p = scores.masked_fill(~valid[:, None, :], float("-inf")).softmax(-1)
     return (p @ kv).float()                                                                # [T, H, C]
 
 
+def dense_attention(q, k, v, scale):
+    """Causal attention of a prompt chunk's rows over its context, per head: the reference of the dense prefill
+    kernel. q [S, H, E] (the last S positions), k [N, H, E], v [N, H, V] -> [S, H, V]; row i sees keys
+    0 .. N - S + i."""
+    S, N = q.shape[0], k.shape[0]
+    scores = torch.einsum("shd,nhd->hsn", q, k) * scale
+    future = torch.arange(N, device=q.device) > torch.arange(S, device=q.device)[:, None] + (N - S)
+    p = scores.masked_fill(future, float("-inf")).softmax(-1)
+    return torch.einsum("hsn,nhv->shv", p, v)
+
+
 class MLA(nn.Module):
+    ops = None                   # bound once by Transformer.bind, as Indexer.ops
+    wkv_b_abs = None             # [H, D + V, C] wkv_b dequantized once at bind: W_UK | W_UV (exact in bf16)
+
     def __init__(self, cfg: Config):
         super().__init__()
         self.cfg = cfg
@@ -592,7 +642,7 @@ class MLA(nn.Module):
 
     def forward(self, x, cos, sin, meta: Meta, cache: LayerCache):
         cfg, T = self.cfg, x.shape[0]
-        H, D, R, C, V = cfg.n_heads, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.kv_lora_rank, cfg.v_head_dim
+        H, D, R, C = cfg.n_heads, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.kv_lora_rank
         qr = self.q_norm(self.wq_a(x))                                   # [T, q_lora]; shared with the indexer
         q_nope, q_pe = self.wq_b(qr).view(T, H, D + R).split([D, R], -1)  # [T, H, D], [T, H, R]
         q_pe = rope(q_pe, cos, sin, interleaved=True)
@@ -600,30 +650,26 @@ class MLA(nn.Module):
         cache.kv[meta.slots] = fp8_round_trip(self.kv_norm(kv))          # the latent is cached as FP8 ([R] simulates it)
         cache.pe[meta.slots] = rope(k_pe, cos, sin, interleaved=True)
         sel = self.indexer(x, qr, cos, sin, meta, cache)                 # [T, K'] context positions, -1 = none
-        wkv_b = weight_dequant(self.wkv_b.weight, self.wkv_b.scale).view(H, D + V, C).to(acc_dtype(x))
+        w = self.wkv_b_abs                                               # fp32/fp64 (torch path) or bf16 (kernels)
         # Attention math in fp32 (fp64 on CPU, see acc_dtype) where the reference rounds intermediates to bf16:
         # fused kernels keep fp32 too, and the per-head and absorbed forms become the same function.
-        if meta.mode == "prefill":
-            o = torch.cat([self.attend_per_head(q_nope[r], q_pe[r], wkv_b, sel[r], meta.table[b], cache)
-                           for b, r in enumerate(meta.request_rows())])
-        else:
-            q_abs = torch.einsum("thd,hdc->thc", q_nope.to(wkv_b.dtype), wkv_b[:, :D])  # absorb W_UK: [T, H, C]
+        if sel is None:                                                  # prompt chunk within top-k: dense causal
+            o = torch.cat([self.attend_dense(q_nope[r], q_pe[r], w, meta.table[b, :int(meta.ctx_host[r][-1])],
+                                             cache) for b, r in enumerate(meta.request_rows())])
+        else:                                                            # every other row: sparse, absorbed
+            q_abs = torch.einsum("thd,hdc->thc", q_nope.to(w.dtype), w[:, :D])      # absorb W_UK: [T, H, C]
             slots = torch.where(sel >= 0, meta.table[meta.row_req[:, None], sel.clamp(min=0)], -1)
-            o_lat = sparse_mla_decode(q_abs, q_pe, cache.kv, cache.pe, slots, cfg.softmax_scale)
-            o = torch.einsum("thc,hvc->thv", o_lat.to(wkv_b.dtype), wkv_b[:, D:])         # absorb W_UV: [T, H, V]
+            o_lat = self.ops.sparse_mla(q_abs, q_pe, cache, slots, meta, cfg.softmax_scale)
+            o = torch.einsum("thc,hvc->thv", o_lat.to(w.dtype), w[:, D:])          # absorb W_UV: [T, H, V]
         return self.wo(o.to(BF16).flatten(1))
 
-    def attend_per_head(self, q_nope, q_pe, wkv_b, sel, table_row, cache):
+    def attend_dense(self, q_nope, q_pe, w, ctx, cache):
         """Prefill ("MHA") form for one request's rows: expand the context's latents to per-head keys/values."""
-        D, acc = self.cfg.qk_nope_head_dim, wkv_b.dtype
-        ctx = table_row[:int(sel.max()) + 1]                                     # [N] slots of positions 0..N-1
-        kvf = torch.einsum("nc,hec->nhe", cache.kv[ctx].to(acc), wkv_b)          # [N, H, D + V]
-        k = torch.cat([kvf[..., :D], cache.pe[ctx].to(acc)[:, None, :].expand(-1, kvf.shape[1], -1)], -1)
-        scores = torch.einsum("shd,nhd->shn", torch.cat([q_nope, q_pe], -1).to(acc), k) * self.cfg.softmax_scale
-        mask = torch.full((sel.shape[0], ctx.shape[0] + 1), float("-inf"), device=sel.device, dtype=acc)
-        mask.scatter_(1, torch.where(sel >= 0, sel, ctx.shape[0]), 0.0)          # -1 -> a spare last column
-        p = (scores + mask[:, None, :-1]).softmax(-1)                            # [S, H, N]
-        return torch.einsum("shn,nhv->shv", p, kvf[..., D:])                     # [S, H, V]
+        D = self.cfg.qk_nope_head_dim
+        kvf = torch.einsum("nc,hec->nhe", cache.kv[ctx].to(w.dtype), w)         # [N, H, D + V]
+        k = torch.cat([kvf[..., :D], cache.pe[ctx].to(w.dtype)[:, None, :].expand(-1, kvf.shape[1], -1)], -1)
+        q = torch.cat([q_nope, q_pe], -1).to(w.dtype)
+        return self.ops.dense_attention(q, k, kvf[..., D:], self.cfg.softmax_scale)   # [S, H, V]
 
 
 # ------------------------------------------------------------------------------------------------------------
@@ -718,7 +764,23 @@ class MTP(nn.Module):
         return self.shared_head.head(h)                               # fp32 [T, vocab]
 
 
+# ------------------------------------------------------------------------------------------------------------
+# The kernel boundary: the few names through which the GPU path plugs in
+# ------------------------------------------------------------------------------------------------------------
+# Layers call these through `self.ops`. Transformer.bind points every layer at one set, once, at load: TORCH_OPS
+# (the readable references above, on any device) or kernels.GPU_OPS (the same names and signatures).
+TORCH_OPS = SimpleNamespace(
+    name="torch reference",
+    plan=lambda meta, cfg: None,          # (kernels: the attention schedule of a step's rows, made once per step)
+    index_topk=index_topk,                # indexer scores + causal mask + top-k           (Indexer)
+    sparse_mla=sparse_mla,                # absorbed sparse attention, one row per token  (MLA: decode/verify/long)
+    dense_attention=dense_attention,      # causal per-head attention of short prompts     (MLA: prefill)
+    attn_dtype=acc_dtype)                 # dtype of wkv_b's absorbed halves (exact: pow2-scaled FP8 fits bf16)
+
+
 class Transformer(nn.Module):
+    ops = TORCH_OPS
+
     def __init__(self, cfg: Config):
         super().__init__()
         self.cfg = cfg
@@ -728,9 +790,25 @@ class Transformer(nn.Module):
         self.head = Linear(cfg.dim, cfg.vocab_size, fp8=False, dtype=torch.float32)   # fp32, as [R]
         self.mtp = nn.ModuleList(MTP(cfg) for _ in range(cfg.n_mtp_layers))
 
+    def bind(self, ops):
+        """Point every layer at one kernel set and prepare the weights it reads (once, after loading)."""
+        cfg = self.cfg
+        for mod in self.modules():
+            if hasattr(type(mod), "ops"):
+                mod.ops = ops
+            if isinstance(mod, MLA):        # wkv_b dequantized once, split per head into W_UK | W_UV
+                w = weight_dequant(mod.wkv_b.weight, mod.wkv_b.scale).to(ops.attn_dtype(mod.wkv_b.weight))
+                mod.wkv_b_abs = w.view(cfg.n_heads, cfg.qk_nope_head_dim + cfg.v_head_dim, cfg.kv_lora_rank)
+        return self
+
+    def _plan(self, meta: Meta):
+        if meta.plan is None:               # once per step: every layer (and an MTP pass over the same rows) reuses it
+            meta.plan = self.ops.plan(meta, self.cfg)
+
     @torch.inference_mode()
     def forward(self, tokens, meta: Meta, cache: KVCache):
         """tokens [T] -> hidden [T, dim] bf16 after the final norm (the lm_head input, also what MTP consumes)."""
+        self._plan(meta)
         cos, sin = rope_cos_sin(self.cfg, meta.positions)
         h, residual = self.embed(tokens), None
         for i, layer in enumerate(self.layers):
@@ -742,18 +820,26 @@ class Transformer(nn.Module):
 
     @torch.inference_mode()
     def mtp_forward(self, next_tokens, h, meta: Meta, cache: KVCache, j=0):
+        self._plan(meta)
         return self.mtp[j](next_tokens, h, meta, cache.layer(self.cfg.n_layers + j))
 
 
 class KVCache:
     """The KV pool of every layer (main layers, then MTP layers), addressed by slot: the FP8-rounded latent and the
-    rope key (bf16, 1152 B/token/layer at full size), the indexer key (FP8, 128 B) and its fp32 scale."""
+    rope key in one bf16 row (1152 B/token/layer at full size), the indexer key (FP8, 128 B) and its fp32 scale."""
     def __init__(self, cfg: Config, num_slots: int, device="cpu"):
-        L = cfg.n_layers + cfg.n_mtp_layers
-        self.kv = torch.zeros(L, num_slots, cfg.kv_lora_rank, dtype=BF16, device=device)
-        self.pe = torch.zeros(L, num_slots, cfg.qk_rope_head_dim, dtype=BF16, device=device)
+        L, self.C = cfg.n_layers + cfg.n_mtp_layers, cfg.kv_lora_rank
+        self.latent = torch.zeros(L, num_slots, cfg.kv_lora_rank + cfg.qk_rope_head_dim, dtype=BF16, device=device)
         self.ik = torch.zeros(L, num_slots, cfg.index_head_dim, dtype=FP8, device=device)
         self.iks = torch.zeros(L, num_slots, dtype=torch.float32, device=device)
+
+    @property
+    def kv(self):
+        return self.latent[..., :self.C]
+
+    @property
+    def pe(self):
+        return self.latent[..., self.C:]
 
     @staticmethod
     def bytes_per_token(cfg: Config):
@@ -761,7 +847,7 @@ class KVCache:
                                                     + cfg.index_head_dim + 4)
 
     def layer(self, i):
-        return LayerCache(self.kv[i], self.pe[i], self.ik[i], self.iks[i])
+        return LayerCache(self.latent[i], self.ik[i], self.iks[i], self.C)
 
 
 # ------------------------------------------------------------------------------------------------------------
@@ -812,9 +898,26 @@ def validate_checkpoint(path, cfg: Config):
             raise ValueError(f"{path}: missing tensor {name} (expected {kind} {shape})")
 
 
-def load_model(path, device="cpu") -> Transformer:
+def select_ops(kernels, device):
+    """The kernel set for a device: 'torch' the references; 'gpu' kernels.py (an error where it cannot run);
+    'auto' kernels.py on a GPU that supports it, else the references."""
+    if kernels not in ("auto", "torch", "gpu"):
+        raise ValueError(f"kernels must be 'auto', 'torch' or 'gpu' (got {kernels!r})")
+    if kernels == "torch" or (kernels == "auto" and torch.device(device).type != "cuda"):
+        return TORCH_OPS
+    if torch.device(device).type != "cuda":
+        raise ValueError(f"kernels='gpu' needs a CUDA device (got {device})")
+    import kernels as gpu_kernels                  # Triton + flashinfer: imported only on the GPU path
+    why = gpu_kernels.unsupported(torch.device(device))
+    if why and kernels == "gpu":
+        raise ValueError(f"the GPU kernels cannot run here: {why}")
+    return TORCH_OPS if why else gpu_kernels.GPU_OPS
+
+
+def load_model(path, device="cpu", kernels="auto") -> Transformer:
     """Load a DeepSeek-V3.2 HF checkpoint directory. FP8 weights stay FP8 with their block scales; norms, router
-    bias, weights_proj and the heads are upcast to fp32 one tensor at a time, as the reference does."""
+    bias, weights_proj and the heads are upcast to fp32 one tensor at a time, as the reference does. The model is
+    then bound to its kernel set (`select_ops`)."""
     from safetensors import safe_open
     from tqdm import tqdm
     if not os.path.isdir(path):
@@ -840,7 +943,7 @@ def load_model(path, device="cpu") -> Transformer:
             m.embed.weight = model.embed.weight
         if torch.equal(m.shared_head.head.weight, model.head.weight):
             m.shared_head.head.weight = model.head.weight
-    return model
+    return model.bind(select_ops(kernels, device))
 
 
 # ============================================================================================================
@@ -1006,7 +1109,7 @@ class LLM:
     pass of decode rows, accept, draft-extend the MTP layer over the accepted tokens, draft k new tokens."""
 
     def __init__(self, model_dir=None, device=None, mtp=1, kv_cache_bytes=None, page_size=16, max_batch=64,
-                 max_prefill_tokens=1024, max_context=None):
+                 max_prefill_tokens=1024, max_context=None, kernels="auto"):
         from tokenizers import Tokenizer
         try:
             self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
@@ -1015,8 +1118,9 @@ class LLM:
         if self.device.type == "cuda" and not torch.cuda.is_available():
             raise ValueError(f"device {device!r}: CUDA is not available on this machine")
         model_dir = model_dir or default_model_dir()
-        self.model = load_model(model_dir, self.device)
+        self.model = load_model(model_dir, self.device, kernels)
         self.cfg = cfg = self.model.cfg
+        self.announce = self.device.type == "cuda"   # say once, at the first generate, which kernels run
         tok_file = os.path.join(model_dir, "tokenizer.json")
         if not os.path.isfile(tok_file):
             raise ValueError(f"{model_dir}: no tokenizer.json")
@@ -1097,6 +1201,10 @@ class LLM:
                                  f"of {capacity} slots; give the engine a larger kv_cache_bytes")
             gen = torch.Generator(self.device).manual_seed((seed * 1_000_003 + i) % 2 ** 63)
             reqs.append(Request(i, list(ids), len(ids), max_new_tokens, temperature, top_p, gen, len(ids)))
+        if self.announce:
+            print(f"nano-nsa: {torch.cuda.get_device_name(self.device)}, kernels: {self.model.ops.name}",
+                  file=sys.stderr)
+            self.announce = False
         self.waiting, self.running = list(reqs), []
         self.on_tokens, self.return_logits, self.preemptions = on_tokens, return_logits, 0
         t0, rounds = time.perf_counter(), 0
@@ -1268,6 +1376,8 @@ def main(argv=None):
     ap.add_argument("--thinking", action="store_true", help="chat in thinking mode")
     ap.add_argument("--raw", action="store_true", help="plain completion, no chat template")
     ap.add_argument("--max-context", type=int, help="refuse prompts + max_new_tokens longer than this")
+    ap.add_argument("--kernels", default="auto", choices=["auto", "torch", "gpu"],
+                    help="auto: kernels.py on a GPU that supports it; torch: the readable reference path")
     ap.add_argument("--json", action="store_true", help="print one JSON document instead of streaming text")
     args = ap.parse_args(argv)
     try:
@@ -1277,7 +1387,7 @@ def main(argv=None):
                 prompts += [line.rstrip("\n") for line in f if line.strip()]
         if not prompts:
             raise ValueError("give at least one --prompt or a --prompt-file")
-        llm = LLM(args.model, device=args.device, mtp=args.mtp, max_context=args.max_context)
+        llm = LLM(args.model, device=args.device, mtp=args.mtp, max_context=args.max_context, kernels=args.kernels)
         stream = not args.json and len(prompts) == 1
         streamed, printed = [], [""]
 

@@ -732,7 +732,7 @@ def test_mtp_drafts_match_recomputed_mtp(tiny_dir, monkeypatch):
 def test_verify_and_draft_extend_use_the_decode_path(tiny_dir, monkeypatch):
     """Outside prefill steps, no row goes through the per-head (prefill) attention form."""
     llm, in_round = make_llm(tiny_dir, 3), [False]
-    orig_round, orig_attend = m.LLM._decode_round, m.MLA.attend_per_head
+    orig_round, orig_attend = m.LLM._decode_round, m.MLA.attend_dense
 
     def decode_round(self, reqs):
         in_round[0] = True
@@ -745,7 +745,7 @@ def test_verify_and_draft_extend_use_the_decode_path(tiny_dir, monkeypatch):
         assert not in_round[0], "a decode round used the prefill attention path"
         return orig_attend(self, *a, **k)
     monkeypatch.setattr(m.LLM, "_decode_round", decode_round)
-    monkeypatch.setattr(m.MLA, "attend_per_head", attend)
+    monkeypatch.setattr(m.MLA, "attend_dense", attend)
     llm.generate(mixed_prompts(3), max_new_tokens=6)
 
 
