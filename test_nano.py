@@ -755,22 +755,147 @@ def test_verify_and_draft_extend_use_the_decode_path(tiny_dir, monkeypatch):
 gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
 
+def _first_split(a, b, margins):
+    """Compare token lists a and b; return (number of leading equal tokens, margin of `margins` at the split)."""
+    n = 0
+    while n < min(len(a), len(b)) and a[n] == b[n]:
+        n += 1
+    return n, (margins[n] if n < min(len(a), len(b)) else None)
+
+
+def _margin(logits):
+    top2 = logits.topk(2, dim=-1).values
+    return (top2[..., 0] - top2[..., 1]).tolist()
+
+
+def _agree_up_to_near_ties(want, got, tol, what):
+    """Greedy tokens must agree; where they first differ, the reference's top-1 margin there must be below tol
+    (a near-tie that the other summation order may flip), and the rest of that request is not compared."""
+    compared = 0
+    for i, (a, b) in enumerate(zip(want, got)):
+        n, margin = _first_split(a.token_ids, b.token_ids, _margin(a.logits))
+        assert margin is None or margin < tol, f"{what}: prompt {i} differs at token {n} with margin {margin} >= {tol}"
+        compared += n
+    return compared
+
+
 @gpu
-def test_gpu_engine_agrees_with_cpu(tiny_dir):
-    """The torch path on CUDA (fp32 accumulation instead of CPU's fp64): first-token logits (the same prefill) agree
-    with the CPU to FP8 noise; greedy and speculative greedy tokens agree with CPU for most positions (fp32
-    summation order differs between batch shapes on the GPU, and FP8 quantization amplifies it, spec section 9)."""
+@pytest.mark.parametrize("kernels", ["torch", "gpu"])
+def test_gpu_engine_agrees_with_cpu(tiny_dir, kernels):
+    """The engine on CUDA (torch references, or kernels.py) gives the CPU's greedy tokens, with and without MTP, and
+    speculative == plain on the GPU. Tokens may differ only after a near-tie: a position whose top-1 margin is under
+    8x the largest first-token logit difference between the two devices (the same prefill, so that difference is
+    the numerical noise between fp64 CPU sums and fp32/bf16 GPU kernels)."""
     prompts = mixed_prompts(8)
-    cpu = make_llm(tiny_dir, 0).generate(prompts, max_new_tokens=8, return_logits=True)
-    g0 = m.LLM(tiny_dir, device="cuda", mtp=0).generate(prompts, max_new_tokens=8, return_logits=True)
-    g2 = m.LLM(tiny_dir, device="cuda", mtp=2).generate(prompts, max_new_tokens=8, return_logits=True)
-    for a, b in zip(cpu, g0):
-        assert (a.logits[0] - b.logits[0]).norm() <= 0.05 * a.logits[0].norm()
-    same = lambda x, y: sum(p == q for r, s in zip(x, y) for p, q in zip(r.token_ids, s.token_ids))  # noqa: E731
+    cpu = make_llm(tiny_dir, 0).generate(prompts, max_new_tokens=12, return_logits=True)
+    runs = {k: m.LLM(tiny_dir, device="cuda", mtp=k, kernels=kernels).generate(prompts, max_new_tokens=12,
+                                                                             return_logits=True) for k in (0, 1, 3)}
+    noise = max((a.logits[0] - b.logits[0]).abs().max().item() for a, b in zip(cpu, runs[0]))
+    tol = 8 * noise
     total = sum(len(r.token_ids) for r in cpu)
-    print(f"GPU vs CPU greedy tokens equal: {same(cpu, g0)}/{total}; GPU speculative vs GPU plain: "
-          f"{same(g0, g2)}/{total}")
-    assert same(cpu, g0) >= 0.75 * total and same(g0, g2) >= 0.75 * total
+    counts = {f"cpu~gpu mtp={k}": _agree_up_to_near_ties(cpu, runs[k], tol, f"CPU vs GPU mtp={k}") for k in runs}
+    counts.update({f"gpu plain~gpu mtp={k}": _agree_up_to_near_ties(runs[0], runs[k], tol, f"GPU plain vs mtp={k}")
+                   for k in (1, 3)})
+    print(f"[{kernels}] first-token logit noise {noise:.2e}; tokens compared before a near-tie split, of {total}:",
+          counts)
+    assert noise < 0.05 and min(counts.values()) >= total // 2
+
+
+def _rand_fp8(*shape, gen, device="cuda"):
+    return (torch.randn(*shape, generator=gen, device=device) * 8).clamp(-448, 448).to(m.FP8)
+
+
+def _random_rows(lens_per_req, rows_per_req, gen, max_slots):
+    """A verify-style Meta: request b has rows at positions n_b .. n_b + rows - 1 (expanded causal lengths), its
+    page-table row a random permutation of KV-pool slots."""
+    B, width = len(lens_per_req), max(lens_per_req) + rows_per_req
+    table = torch.stack([torch.randperm(max_slots, generator=gen, device="cuda")[:width] for _ in range(B)])
+    return m.Meta.build("verify", lens_per_req, [rows_per_req] * B, table)
+
+
+@gpu
+@pytest.mark.parametrize("B,rows,ctx", [(1, 1, 1024), (1, 4, 65536), (4, 2, 8192), (64, 1, 4096), (8, 3, None)])
+def test_gpu_indexer_kernel_matches_reference(B, rows, ctx):
+    """Real shapes (64 heads x 128, top-k 2048): the Triton indexer selects the reference's positions. Sets may
+    differ only at near-ties: both sides are exact fp8 products summed in fp32 in different orders, so a position
+    may swap across the k-th score only if its exact (fp64) score is within 1e-5 of the row's largest |score|
+    (fp32 sums of 128 + 64 terms err by under 1e-6 relative)."""
+    import kernels
+    gen = torch.Generator("cuda").manual_seed(B * 1000 + rows)
+    lens = [ctx] * B if ctx else torch.randint(100, 20000, (B,), generator=gen, device="cuda").tolist()
+    S = max(lens) * B + rows * B + 64
+    meta = _random_rows(lens, rows, gen, S)
+    cache = m.LayerCache(torch.zeros(S, 576, dtype=m.BF16, device="cuda"), _rand_fp8(S, 128, gen=gen),
+                         2.0 ** torch.randint(-8, -2, (S,), generator=gen, device="cuda").float(), 512)
+    T = B * rows
+    q8, w = _rand_fp8(T, 64, 128, gen=gen), torch.randn(T, 64, generator=gen, device="cuda") * 0.01
+    got, want = kernels.index_topk(q8, w, cache, meta, 2048), m.index_topk(q8, w, cache, meta, 2048)
+    assert got.shape == want.shape
+    ctx_rows = meta.table[meta.row_req, :meta.max_ctx]
+    exact = m.index_scores(q8.cpu(), w.cpu().double(), cache.ik[ctx_rows].cpu(), cache.iks[ctx_rows].cpu().double())
+    mismatched = 0
+    for t in range(T):
+        g, r = set(got[t].tolist()) - {-1}, set(want[t].tolist()) - {-1}
+        assert len(g) == len(r) == min(2048, int(meta.ctx_lens[t]))
+        diff = sorted(g ^ r)
+        if diff:
+            kth = exact[t, sorted(r, key=lambda n: exact[t, n].item())[0]]
+            assert (exact[t, diff] - kth).abs().max() <= 1e-5 * exact[t, :int(meta.ctx_lens[t])].abs().max(), \
+                f"row {t}: positions {diff[:8]} differ and are not near-ties"
+            mismatched += len(diff)
+    print(f"B={B} rows={rows} ctx={lens[:4]}: {mismatched} near-tie swaps over {T} rows")
+
+
+def _sparse_case(B, rows, ctx, gen, K=2048, H=128):
+    lens = [ctx] * B if ctx else torch.randint(1, 40000, (B,), generator=gen, device="cuda").tolist()
+    S = max(lens) * B + rows * B + 64
+    meta = _random_rows(lens, rows, gen, S)
+    cache = m.LayerCache((torch.randn(S, 576, generator=gen, device="cuda")).to(m.BF16), None, None, 512)
+    T, width = B * rows, min(K, meta.max_ctx)
+    def selection():            # distinct random positions below each row's length, valid ones first, -1 after
+        pos = torch.rand(T, meta.max_ctx, generator=gen, device="cuda").masked_fill(
+            torch.arange(meta.max_ctx, device="cuda") >= meta.ctx_lens[:, None], 2).argsort(-1)[:, :width]
+        pos = torch.where(torch.arange(width, device="cuda") < meta.ctx_lens[:, None], pos, -1)
+        return torch.where(pos >= 0, meta.table[meta.row_req[:, None], pos.clamp(min=0)], -1)
+    q_abs = torch.randn(T, H, 512, generator=gen, device="cuda") * 0.5
+    q_pe = (torch.randn(T, H, 64, generator=gen, device="cuda") * 0.5).to(m.BF16)
+    return meta, cache, q_abs, q_pe, selection
+
+
+@gpu
+@pytest.mark.parametrize("B,rows,ctx", [(1, 1, 1024), (1, 4, 65536), (16, 2, 4096), (64, 1, 32768), (8, 3, None)])
+def test_gpu_sparse_mla_kernel_matches_reference(B, rows, ctx):
+    """flashinfer FA3 sparse MLA rows vs the fp32 reference at real shapes (128 heads, 512 + 64, top-k 2048), rows of
+    different lengths in one call; one plan serves two 'layers' with different selections (plan once per step).
+    Bound 1e-2 relative (Frobenius): q and the output are rounded to bf16 (2^-9 each), softmax and sums stay fp32."""
+    import kernels
+    gen = torch.Generator("cuda").manual_seed(B * 7 + rows)
+    meta, cache, q_abs, q_pe, selection = _sparse_case(B, rows, ctx, gen)
+    cfg = m.Config.full(n_layers=2)
+    meta.plan = kernels.plan(meta, cfg)
+    for layer in range(2):
+        slots = selection()
+        got = kernels.sparse_mla(q_abs, q_pe, cache, slots, meta, cfg.softmax_scale).float()
+        want = m.sparse_mla(q_abs.to(m.BF16).float(), q_pe, cache, slots, meta, cfg.softmax_scale)
+        err = ((got - want).norm() / want.norm()).item()
+        print(f"B={B} rows={rows} ctx={ctx} layer {layer}: rel err {err:.2e}")
+        assert err < 1e-2
+
+
+@gpu
+@pytest.mark.parametrize("S,N", [(1, 1), (100, 100), (37, 2048), (2048, 2048)])
+def test_gpu_dense_attention_kernel_matches_reference(S, N):
+    """SDPA (bf16 in, fp32 softmax) vs the fp32 reference on the same bf16 inputs, 128 heads of 192 / 128; rows are
+    the last S of N positions (a chunk after cached tokens). Bound 1e-2 relative: bf16 output rounding and
+    bf16 probabilities inside the kernel."""
+    import kernels
+    gen = torch.Generator("cuda").manual_seed(S + N)
+    q, k = (torch.randn(n, 128, 192, generator=gen, device="cuda").to(m.BF16) for n in (S, N))
+    v = torch.randn(N, 128, 128, generator=gen, device="cuda").to(m.BF16)
+    scale = m.Config().softmax_scale
+    got = kernels.dense_attention(q, k, v, scale).float()
+    want = m.dense_attention(q.float(), k.float(), v.float(), scale)
+    assert ((got - want).norm() / want.norm()).item() < 1e-2
 
 
 def test_eos_stops_generation_inside_accepted_drafts(tiny_dir, monkeypatch):

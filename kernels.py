@@ -1,0 +1,184 @@
+"""nano-nsa GPU kernels: the fast versions of the names the layers call through `self.ops`.
+
+Each function here has a readable torch reference with the same signature in nano_nsa.py (TORCH_OPS); tests
+compare them on fresh random inputs at the real shapes (test_nano.py, marked `gpu`). `GPU_OPS` at the end is the
+set `nano_nsa.select_ops` binds on a GPU that `unsupported()` accepts.
+
+  plan            the attention schedule of a step's rows (flashinfer plan), once per step, shared by all layers
+  index_topk      lightning indexer: Triton FP8 scores over the paged key cache + causal mask + top-k
+  sparse_mla      absorbed sparse MLA rows: flashinfer FA3 (Hopper) / trtllm-gen (Blackwell, unverified here)
+  dense_attention causal per-head attention of short prompt chunks (torch SDPA)
+
+Triton and flashinfer are imported here only: nano_nsa imports this module on a CUDA device alone.
+"""
+import torch
+import torch.nn.functional as F
+import triton
+import triton.language as tl
+
+BF16 = torch.bfloat16
+WORKSPACE_BYTES = 256 << 20          # flashinfer's float workspace (split-KV partial outputs)
+
+
+def unsupported(device: torch.device):
+    """Why the kernels cannot run on `device`, or None."""
+    major, _ = torch.cuda.get_device_capability(device)
+    if major not in (9, 10):
+        return f"compute capability {major}.x: the kernels are for Hopper (9.0) and Blackwell (10.x)"
+    try:
+        import flashinfer  # noqa: F401
+    except ImportError:
+        return "flashinfer is not installed (pip install flashinfer-python; see README)"
+    return None
+
+
+# ------------------------------------------------------------------------------------------------------------
+# Lightning indexer: FP8 scores over the paged key cache, causal mask, top-k (spec 3.7)
+# ------------------------------------------------------------------------------------------------------------
+@triton.jit
+def _index_keys_kernel(q_ptr, w_ptr, k_ptr, ks_ptr, table_ptr, row_req_ptr, ctx_ptr, out_ptr, table_stride,
+                       out_stride, I: tl.constexpr, I_PAD: tl.constexpr, J: tl.constexpr, BLOCK_N: tl.constexpr):
+    """One (row t, block of context positions n): score = ks[n] * sum_h w[t, h] * relu(q8[t, h] . k8[n]), written
+    as a sortable int64 key: the score's bits made monotone in the high word, (2^31 - 1 - n) in the low word, so
+    top-k breaks exact ties towards the earliest position as the reference does. Positions n >= ctx[t] (the
+    causal mask) get the smallest key."""
+    t, nb = tl.program_id(0), tl.program_id(1)
+    ctx = tl.load(ctx_ptr + t)
+    n = nb * BLOCK_N + tl.arange(0, BLOCK_N)
+    keep = n < ctx
+    key = tl.full([BLOCK_N], -2 ** 63, tl.int64)
+    if nb * BLOCK_N < ctx:
+        req = tl.load(row_req_ptr + t).to(tl.int64)
+        slot = tl.load(table_ptr + req * table_stride + n, mask=keep, other=0).to(tl.int64)
+        h, j = tl.arange(0, I_PAD), tl.arange(0, J)                   # heads padded to a tensor-core tile (>= 16)
+        q = tl.load(q_ptr + t.to(tl.int64) * I * J + h[:, None] * J + j[None, :], mask=h[:, None] < I, other=0.0)
+        k = tl.load(k_ptr + slot[:, None] * J + j[None, :], mask=keep[:, None], other=0.0)  # [BLOCK_N, J] fp8
+        logits = tl.dot(q, tl.trans(k))                                                      # [I, BLOCK_N] fp32
+        w = tl.load(w_ptr + t * I + h, mask=h < I, other=0.0)
+        s = tl.sum(tl.maximum(logits, 0.0) * w[:, None], 0) * tl.load(ks_ptr + slot, mask=keep, other=0.0)
+        b = s.to(tl.int32, bitcast=True)
+        b = tl.where(s == 0.0, 0, b)                                     # -0.0 == +0.0
+        b = tl.where(b < 0, b ^ 0x7FFFFFFF, b)                           # negative floats: reverse their order
+        key = tl.where(keep, (b.to(tl.int64) << 32) | (0x7FFFFFFF - n).to(tl.int64), key)
+    tl.store(out_ptr + t.to(tl.int64) * out_stride + n, key, mask=n < out_stride)
+
+
+def index_topk(q8, w, cache, meta, k):
+    """Kernel of nano_nsa.index_topk: rows flattened over (request x draft position), each scoring only the keys
+    below its own causal length, through its request's page-table row; then top-min(k, N) per row."""
+    T, I, J = q8.shape
+    N = meta.max_ctx
+    keys = torch.empty(T, N, dtype=torch.int64, device=q8.device)
+    BLOCK_N = 64
+    _index_keys_kernel[(T, triton.cdiv(N, BLOCK_N))](
+        q8.contiguous(), w.float().contiguous(), cache.ik, cache.iks, meta.table, meta.row_req, meta.ctx_lens, keys,
+        meta.table.stride(0), N, I=I, I_PAD=max(16, triton.next_power_of_2(I)), J=J, BLOCK_N=BLOCK_N, num_warps=4)
+    width = min(k, N)
+    idx = keys.topk(width, dim=-1, sorted=False).indices
+    # a row whose whole context fits in k selects all of it (its masked keys may sit anywhere in the top-k)
+    n = torch.arange(width, device=q8.device)
+    everything = torch.where(n < meta.ctx_lens[:, None], n, -1)
+    return torch.where((meta.ctx_lens <= width)[:, None], everything, idx)
+
+
+# ------------------------------------------------------------------------------------------------------------
+# Sparse MLA rows: one CSR row per query token over its selected KV-pool slots (page size 1)
+# ------------------------------------------------------------------------------------------------------------
+_state = {}                                   # per device: the flashinfer wrapper, its workspace, a plan counter
+
+
+def _wrapper(device):
+    if device not in _state:
+        from flashinfer.mla import BatchMLAPagedAttentionWrapper
+        ws = torch.zeros(WORKSPACE_BYTES, dtype=torch.uint8, device=device)   # (trtllm-gen wants it zeroed)
+        backend = "fa3" if torch.cuda.get_device_capability(device)[0] == 9 else None
+        wrapper = BatchMLAPagedAttentionWrapper(ws, backend=backend) if backend else None
+        _state[device] = dict(wrapper=wrapper, workspace=ws, plans=0)
+    return _state[device]
+
+
+def plan(meta, cfg):
+    """The schedule of a step's sparse rows, made once per step on the host and shared by every layer: row t
+    reads kv_len[t] = min(ctx[t], top-k) slots. flashinfer bakes these lengths into its plan, not the slots, so
+    each layer writes its own selection into the planned `kv_indices` buffer (`dest` below) and runs; the plan
+    itself is never redone per layer. Dense prompt chunks need no plan."""
+    if meta.dense(cfg.index_topk):
+        return None
+    dev = meta.positions.device
+    st = _wrapper(dev)
+    width = min(cfg.index_topk, meta.max_ctx)
+    kv_len = meta.ctx_host.clamp(max=cfg.index_topk).to(torch.int32)
+    kv_indptr = F.pad(kv_len.cumsum(0), (1, 0)).to(torch.int32)
+    total = int(kv_indptr[-1])
+    kv_indices = torch.zeros(total + 1, dtype=torch.int32, device=dev)       # + a sink for the unused columns
+    j = torch.arange(width, device=dev)
+    kv_len_dev = kv_len.to(dev, non_blocking=True)
+    dest = torch.where(j < kv_len_dev[:, None], kv_indptr[:-1].to(dev, non_blocking=True)[:, None] + j, total)
+    st["plans"] += 1
+    p = dict(kv_indices=kv_indices, dest=dest.flatten(), kv_len=kv_len_dev, width=width, generation=st["plans"],
+             max_kv_len=int(kv_len.max()), scale=cfg.softmax_scale)
+    if st["wrapper"] is not None:
+        from flashinfer.mla._batch_mla._contracts import MLAPlanMetadata
+        qo_indptr = torch.arange(len(kv_len) + 1, dtype=torch.int32)
+        st["wrapper"].plan(metadata=MLAPlanMetadata.csr(qo_indptr, kv_indptr, kv_indices, kv_len),
+                           num_heads=cfg.n_heads, head_dim_ckv=cfg.kv_lora_rank, head_dim_kpe=cfg.qk_rope_head_dim,
+                           page_size=1, causal=False, sm_scale=cfg.softmax_scale, q_data_type=BF16,
+                           kv_data_type=BF16, query_layout="split", kv_cache_layout="split")
+    return p
+
+
+def sparse_mla(q_abs, q_pe, cache, slots, meta, scale):
+    """Kernel of nano_nsa.sparse_mla: bf16 q and cache, fp32 softmax and accumulation, bf16 out."""
+    p, st = meta.plan, _wrapper(q_abs.device)
+    assert p["generation"] == st["plans"], "a step's plan was replaced before its layers ran (plan once per step)"
+    assert slots.shape[1] == p["width"]
+    p["kv_indices"].scatter_(0, p["dest"], slots.flatten().to(torch.int32))   # this layer's slots, packed rows
+    if st["wrapper"] is None:
+        return _sparse_mla_blackwell(q_abs, q_pe, cache, slots, p, st)
+    T, H, C = q_abs.shape
+    out = torch.empty(T, H, C, dtype=BF16, device=q_abs.device)
+    latent = cache.latent[:, None, :]                                          # [S, page 1, C + R]
+    st["wrapper"].run(query=(q_abs.to(BF16).contiguous(), q_pe.to(BF16).contiguous()),
+                      kv_cache=(latent[..., :C], latent[..., C:]), out=out)
+    return out
+
+
+def _sparse_mla_blackwell(q_abs, q_pe, cache, slots, p, st):
+    """Blackwell (SM100/103) variant: flashinfer's trtllm-gen sparse MLA decode, every row its own request of one
+    query token with its own (expanded) length, so verify and draft-extend rows go through it as decode rows.
+    UNVERIFIED ON HARDWARE: no Blackwell GPU was available to this project; it is written from flashinfer's
+    documented signature and has never been executed."""
+    from flashinfer.mla import trtllm_batch_decode_with_kv_cache_mla
+    T, H, C = q_abs.shape
+    q = torch.cat([q_abs.to(BF16), q_pe.to(BF16)], -1)[:, None]                # [T, 1, H, C + R]
+    out = trtllm_batch_decode_with_kv_cache_mla(
+        query=q, kv_cache=cache.latent[:, None, :], workspace_buffer=st["workspace"], qk_nope_head_dim=128,
+        kv_lora_rank=C, qk_rope_head_dim=q_pe.shape[-1], block_tables=slots.to(torch.int32)[:, None, :],
+        seq_lens=p["kv_len"], max_seq_len=p["max_kv_len"], sparse_mla_top_k=p["width"], bmm1_scale=p["scale"],
+        backend="trtllm-gen")
+    return out.view(T, H, C)
+
+
+# ------------------------------------------------------------------------------------------------------------
+# Dense causal attention for prompt chunks whose context fits in top-k (DSA selects everything there)
+# ------------------------------------------------------------------------------------------------------------
+def dense_attention(q, k, v, scale):
+    """Kernel of nano_nsa.dense_attention: torch SDPA (flash / memory-efficient) with a lower-right causal mask."""
+    from torch.nn.attention.bias import causal_lower_right
+    S, N = q.shape[0], k.shape[0]
+    o = F.scaled_dot_product_attention(q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None],
+                                       attn_mask=causal_lower_right(S, N), scale=scale)
+    return o[0].transpose(0, 1)
+
+
+GPU_OPS = None                                 # filled in at the end of the file, once every kernel is defined
+
+
+def _gpu_ops():
+    from types import SimpleNamespace
+    return SimpleNamespace(name="kernels.py (flashinfer sparse MLA, Triton indexer, SDPA prefill)", plan=plan,
+                           index_topk=index_topk, sparse_mla=sparse_mla, dense_attention=dense_attention,
+                           attn_dtype=lambda w: BF16)
+
+
+GPU_OPS = _gpu_ops()
