@@ -274,14 +274,14 @@ def weight_dequant(w: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     return w.float() * _per_element(scale, w.shape)
 
 
-def random_weight(name: str, shape, kind: str, seed: int) -> torch.Tensor:
+def random_weight(name: str, shape, kind: str, seed: int, device="cpu") -> torch.Tensor:
     """The reproducible fp32 source of one checkpoint tensor, scaled so activations stay O(1) through layers."""
     if name.endswith("shared_head.head.weight"):   # the MTP layer stores copies of the main embedding and head
         name = "lm_head.weight"
     elif name.endswith("embed_tokens.weight"):
         name = "model.embed_tokens.weight"
-    g = torch.Generator().manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
-    x = torch.randn(shape, generator=g)
+    g = torch.Generator(device).manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
+    x = torch.randn(shape, generator=g, device=device)
     if kind == "norm":
         return (1.0 + 0.1 * x) if name.endswith("weight") else 0.1 * x      # LayerNorm bias is small
     if kind == "f32":
@@ -289,6 +289,11 @@ def random_weight(name: str, shape, kind: str, seed: int) -> torch.Tensor:
     if "embed_tokens" in name:
         return x
     return x * shape[1] ** -0.5                                             # unit-gain projections
+
+
+def stored_dtype(name, kind):
+    """dtype of a non-FP8 tensor in the checkpoint: k_norm and the router bias are fp32, the rest bf16."""
+    return torch.float32 if kind == "f32" or ".k_norm." in name else BF16
 
 
 def save_random_checkpoint(path, config: Config, seed: int = 0, shard_bytes: int = 4 << 30, tokenizer=True):
@@ -319,8 +324,8 @@ def save_random_checkpoint(path, config: Config, seed: int = 0, shard_bytes: int
             q, s = quantize_weight(w)
             cur.update({name: q.contiguous(), name + "_scale_inv": s.contiguous()})
             total += q.numel() + 4 * s.numel()
-        else:                               # k_norm and the router bias are fp32 in the checkpoint, the rest bf16
-            cur[name] = w.to(torch.float32 if kind == "f32" or ".k_norm." in name else BF16).contiguous()
+        else:
+            cur[name] = w.to(stored_dtype(name, kind)).contiguous()
             total += cur[name].numel() * cur[name].element_size()
         if sum(t.numel() * t.element_size() for t in cur.values()) >= shard_bytes:
             flush()
@@ -938,12 +943,34 @@ def load_model(path, device="cpu", kernels="auto") -> Transformer:
                     t = f.get_tensor(name)
                     params[ours_name(cfg, name)].copy_(t)
                     bar.update(t.numel() * t.element_size())
+    return _share_mtp_copies(model).bind(select_ops(kernels, device))
+
+
+def _share_mtp_copies(model):
     for m in model.mtp:            # the MTP embedding/head are copies of the main ones: share them when equal
         if torch.equal(m.embed.weight, model.embed.weight):
             m.embed.weight = model.embed.weight
         if torch.equal(m.shared_head.head.weight, model.head.weight):
             m.shared_head.head.weight = model.head.weight
-    return model.bind(select_ops(kernels, device))
+    return model
+
+
+def random_model(cfg: Config, device, seed=0, kernels="auto") -> Transformer:
+    """A model with random weights generated on `device`, tensor by tensor, with the checkpoint writer's recipe and
+    FP8 quantization (not its values: the generator differs by device). For GPU benchmarks of full-width layers
+    that no checkpoint on disk holds; the loader itself is exercised by `load_model`."""
+    with torch.device("meta"):
+        model = Transformer(cfg)
+    model = model.to_empty(device=device).eval()
+    params = dict(model.named_parameters())
+    for name, (shape, kind) in checkpoint_tensors(cfg).items():
+        if kind != "scale":
+            w = random_weight(name, shape, kind, seed, device)
+            if kind == "fp8":
+                w, scale = quantize_weight(w)
+                params[ours_name(cfg, name + "_scale_inv")].copy_(scale)
+            params[ours_name(cfg, name)].copy_(w if kind == "fp8" else w.to(stored_dtype(name, kind)))
+    return _share_mtp_copies(model).bind(select_ops(kernels, device))
 
 
 # ============================================================================================================
@@ -1109,7 +1136,7 @@ class LLM:
     pass of decode rows, accept, draft-extend the MTP layer over the accepted tokens, draft k new tokens."""
 
     def __init__(self, model_dir=None, device=None, mtp=1, kv_cache_bytes=None, page_size=16, max_batch=64,
-                 max_prefill_tokens=1024, max_context=None, kernels="auto"):
+                 max_prefill_tokens=1024, max_context=None, kernels="auto", model=None):
         from tokenizers import Tokenizer
         try:
             self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
@@ -1118,7 +1145,7 @@ class LLM:
         if self.device.type == "cuda" and not torch.cuda.is_available():
             raise ValueError(f"device {device!r}: CUDA is not available on this machine")
         model_dir = model_dir or default_model_dir()
-        self.model = load_model(model_dir, self.device, kernels)
+        self.model = model or load_model(model_dir, self.device, kernels)   # model: built already (bench.py)
         self.cfg = cfg = self.model.cfg
         self.announce = self.device.type == "cuda"   # say once, at the first generate, which kernels run
         tok_file = os.path.join(model_dir, "tokenizer.json")

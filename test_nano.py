@@ -211,6 +211,14 @@ def test_write_load_round_trip_exact(tiny_dir, model):
     assert model.norm.weight.dtype == torch.float32 and model.head.weight.dtype == torch.float32
 
 
+def test_random_model_on_device_equals_written_checkpoint(tiny_dir, model):
+    """random_model (bench.py's GPU-side generator) follows the writer's recipe: on CPU it gives the same tensors."""
+    built = m.random_model(m.Config.tiny(), "cpu", seed=0)
+    want = dict(model.named_parameters())
+    for name, p in built.named_parameters():
+        assert torch.equal(p.float(), want[name].float()), name
+
+
 @pytest.mark.parametrize("fault", ["missing", "unexpected", "shape", "dtype"])
 def test_loader_rejects_bad_tensors(tiny_dir, tmp_path, fault):
     from safetensors.torch import load_file, save_file
@@ -817,9 +825,10 @@ def _random_rows(lens_per_req, rows_per_req, gen, max_slots):
 @pytest.mark.parametrize("B,rows,ctx", [(1, 1, 1024), (1, 4, 65536), (4, 2, 8192), (64, 1, 4096), (8, 3, None)])
 def test_gpu_indexer_kernel_matches_reference(B, rows, ctx):
     """Real shapes (64 heads x 128, top-k 2048): the Triton indexer selects the reference's positions. Sets may
-    differ only at near-ties: both sides are exact fp8 products summed in fp32 in different orders, so a position
-    may swap across the k-th score only if its exact (fp64) score is within 1e-5 of the row's largest |score|
-    (fp32 sums of 128 + 64 terms err by under 1e-6 relative)."""
+    differ only at near-ties: the kernel's FP8 tensor-core dots accumulate with about 14 bits of precision on Hopper
+    (DeepSeek-V3 report, 3.3.2; the official fp8_index kernel runs on the same units), so a position may swap
+    across the k-th score only if its exact (fp64) score is within 2^-11 of the row's largest |score| of it, and
+    such swaps must stay rare (at most 1% of a row's selection)."""
     import kernels
     gen = torch.Generator("cuda").manual_seed(B * 1000 + rows)
     lens = [ctx] * B if ctx else torch.randint(100, 20000, (B,), generator=gen, device="cuda").tolist()
@@ -840,8 +849,9 @@ def test_gpu_indexer_kernel_matches_reference(B, rows, ctx):
         diff = sorted(g ^ r)
         if diff:
             kth = exact[t, sorted(r, key=lambda n: exact[t, n].item())[0]]
-            assert (exact[t, diff] - kth).abs().max() <= 1e-5 * exact[t, :int(meta.ctx_lens[t])].abs().max(), \
+            assert (exact[t, diff] - kth).abs().max() <= 2 ** -11 * exact[t, :int(meta.ctx_lens[t])].abs().max(), \
                 f"row {t}: positions {diff[:8]} differ and are not near-ties"
+            assert len(diff) <= 0.01 * len(r), f"row {t}: {len(diff)} swaps"
             mismatched += len(diff)
     print(f"B={B} rows={rows} ctx={lens[:4]}: {mismatched} near-tie swaps over {T} rows")
 

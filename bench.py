@@ -1,0 +1,165 @@
+"""bench.py: nano-nsa measured on a GPU. Prints the device, a table per part, and one JSON line at the end.
+
+  python bench.py attention      # kernel micro-benchmarks: indexer, sparse MLA rows, plan() cost, dense-vs-sparse
+  python bench.py long-prompt    # a 32K-token prompt on the full-width attention shapes: prefill, then MTP decode
+
+Random FP8 weights are generated on the GPU (nano_nsa.random_model); nothing is read from disk.
+"""
+import argparse
+import json
+import statistics
+import sys
+import tempfile
+import time
+
+import torch
+
+import nano_nsa as m
+
+
+def cuda_time(fn, warmup=3, iters=20):
+    """Median milliseconds of fn() by CUDA events after warm-up."""
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(iters):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        fn()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b))
+    return statistics.median(times)
+
+
+def host_time(fn, iters=20):
+    fn()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(iters):
+        fn()
+    torch.cuda.synchronize()
+    return (time.perf_counter() - t0) / iters * 1e3
+
+
+def table(title, header, rows):
+    print(f"\n{title}\n" + " | ".join(header) + "\n" + " | ".join("---" for _ in header))
+    for r in rows:
+        print(" | ".join(f"{v:.3g}" if isinstance(v, float) else str(v) for v in r))
+
+
+def _rows(B, rows, ctx, S_extra=64):
+    """A verify-style Meta: B requests of ctx cached tokens, `rows` decode rows each, random page tables."""
+    table_ = torch.stack([torch.randperm(B * (ctx + rows) + S_extra, device="cuda")[:ctx + rows] for _ in range(B)])
+    return m.Meta.build("verify", [ctx] * B, [rows] * B, table_), B * (ctx + rows) + S_extra
+
+
+def attention(args, out):
+    import kernels
+    cfg = m.Config.full(n_layers=2)
+    H, C, R, K = cfg.n_heads, cfg.kv_lora_rank, cfg.qk_rope_head_dim, cfg.index_topk
+    res = []
+    for B, rows, ctx in [(1, 1, 1024), (1, 1, 32768), (1, 1, 131072), (1, 4, 32768), (16, 1, 32768), (64, 1, 4096),
+                         (64, 4, 4096)]:
+        meta, S = _rows(B, rows, ctx)
+        T = B * rows
+        cache = m.LayerCache(torch.randn(S, C + R, device="cuda").to(m.BF16),
+                             (torch.randn(S, 128, device="cuda") * 8).to(m.FP8),
+                             torch.rand(S, device="cuda") + 0.5, C)
+        q8 = (torch.randn(T, 64, 128, device="cuda") * 8).to(m.FP8)
+        w = torch.randn(T, 64, device="cuda")
+        t_idx = cuda_time(lambda: kernels.index_topk(q8, w, cache, meta, K))
+        t_plan = host_time(lambda: kernels.plan(meta, cfg))
+        meta.plan = kernels.plan(meta, cfg)
+        sel = kernels.index_topk(q8, w, cache, meta, K)
+        slots = torch.where(sel >= 0, meta.table[meta.row_req[:, None], sel.clamp(min=0)], -1)
+        q_abs, q_pe = torch.randn(T, H, C, device="cuda").to(m.BF16), torch.randn(T, H, R, device="cuda").to(m.BF16)
+        t_mla = cuda_time(lambda: kernels.sparse_mla(q_abs, q_pe, cache, slots, meta, cfg.softmax_scale))
+        idx_bytes = T * ctx * (128 + 4)                     # FP8 keys + scales each row reads
+        mla_bytes = T * min(K, ctx) * (C + R) * 2            # gathered bf16 latent rows
+        res.append(dict(B=B, rows=rows, ctx=ctx, indexer_ms=t_idx, indexer_TBps=idx_bytes / t_idx / 1e9,
+                        sparse_mla_ms=t_mla, mla_TBps=mla_bytes / t_mla / 1e9, plan_ms=t_plan))
+    table("Attention kernels per layer (indexer: Triton scores + top-k; sparse MLA: flashinfer FA3; plan: host)",
+          ["B", "rows/req", "ctx", "indexer ms", "indexer TB/s", "sparse MLA ms", "MLA TB/s", "plan ms (host)"],
+          [tuple(r.values()) for r in res])
+    out["attention"] = res
+    # dense (per-head SDPA, latents expanded through wkv_b) vs sparse rows for a fresh prompt of S tokens
+    w_abs = torch.randn(H, 256, C, device="cuda").to(m.BF16) * 0.05
+    cross = []
+    for S in (128, 512, 1024, 2048):
+        meta, NS = _rows(1, S, 0)
+        meta = m.Meta.build("prefill", [0], [S], meta.table)
+        cache = m.LayerCache(torch.randn(NS, C + R, device="cuda").to(m.BF16), None, None, C)
+        q_nope, q_pe = torch.randn(S, H, 128, device="cuda").to(m.BF16), torch.randn(S, H, R, device="cuda").to(m.BF16)
+        ctx = meta.table[0, :S]
+
+        def dense():
+            kvf = torch.einsum("nc,hec->nhe", cache.kv[ctx], w_abs)
+            k = torch.cat([kvf[..., :128], cache.pe[ctx][:, None, :].expand(-1, H, -1)], -1)
+            return kernels.dense_attention(torch.cat([q_nope, q_pe], -1), k, kvf[..., 128:], cfg.softmax_scale)
+        vmeta = m.Meta.build("verify", [0], [S], meta.table)
+        vmeta.plan = kernels.plan(vmeta, cfg)
+        n = torch.arange(S, device="cuda")
+        slots = torch.where(n <= n[:, None], meta.table[0, n][None, :].expand(S, -1), -1)
+
+        def sparse():
+            q_abs = torch.einsum("thd,hdc->thc", q_nope, w_abs[:, :128])
+            o = kernels.sparse_mla(q_abs, q_pe, cache, slots, vmeta, cfg.softmax_scale)
+            return torch.einsum("thc,hvc->thv", o, w_abs[:, 128:])
+        cross.append((S, cuda_time(dense), cuda_time(sparse) + host_time(lambda: kernels.plan(vmeta, cfg), 3)))
+    table("Prompt chunk attention, one layer: dense per-head (SDPA) vs sparse absorbed rows (FA3, plan incl.)",
+          ["prompt tokens", "dense ms", "sparse rows ms"], cross)
+    out["prefill_crossover"] = cross
+
+
+def long_prompt(args, out):
+    cfg = m.Config.full(n_layers=args.layers)
+    t0 = time.perf_counter()
+    model = m.random_model(cfg, "cuda", kernels=args.kernels)
+    torch.cuda.synchronize()
+    t_build = time.perf_counter() - t0
+    tok_dir = tempfile.mkdtemp()
+    m.write_byte_tokenizer(tok_dir, cfg.vocab_size)
+    res = []
+    for mtp in args.mtp:
+        llm = m.LLM(tok_dir, device="cuda", mtp=mtp, model=model, kv_cache_bytes=args.kv_gib << 30, kernels=args.kernels)
+        ids = torch.randint(6, cfg.vocab_size, (args.context,), generator=torch.Generator().manual_seed(0)).tolist()
+        stamps = []
+        torch.cuda.reset_peak_memory_stats()
+        t0 = time.perf_counter()
+        r = llm.generate([ids], max_new_tokens=args.new_tokens, raw=True,
+                         on_tokens=lambda i, toks: stamps.append((time.perf_counter(), len(toks))))[0]
+        t_end = time.perf_counter()
+        prefill = stamps[0][0] - t0
+        decode = t_end - stamps[0][0]
+        res.append(dict(mtp=mtp, context=args.context, prefill_s=prefill, prefill_tok_s=args.context / prefill,
+                        decode_s=decode, decode_tok_s=(len(r.token_ids) - 1) / decode,
+                        mean_accept=llm.stats["mean_accept_length"], peak_gib=torch.cuda.max_memory_allocated() / 2**30))
+    table(f"{args.context}-token prompt, Config.full(n_layers={args.layers}) + MTP (random weights built on the GPU in "
+          f"{t_build:.1f} s), kernels={model.ops.name}",
+          ["mtp", "context", "prefill s", "prefill tok/s", "decode s", "decode tok/s", "mean accepted", "peak GiB"],
+          [tuple(r.values()) for r in res])
+    out["long_prompt"] = res
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("what", choices=["attention", "long-prompt"], nargs="+")
+    ap.add_argument("--context", type=int, default=32768)
+    ap.add_argument("--layers", type=int, default=3)
+    ap.add_argument("--new-tokens", type=int, default=32)
+    ap.add_argument("--mtp", type=int, nargs="+", default=[1, 3])
+    ap.add_argument("--kv-gib", type=int, default=8)
+    ap.add_argument("--kernels", default="gpu", choices=["gpu", "torch"])
+    args = ap.parse_args()
+    if not torch.cuda.is_available():
+        sys.exit("bench.py needs a CUDA GPU")
+    out = dict(device=torch.cuda.get_device_name(), date=time.strftime("%Y-%m-%d"), torch=torch.__version__)
+    print(f"device: {out['device']}, torch {out['torch']}, {out['date']}")
+    for what in args.what:
+        dict(attention=attention, **{"long-prompt": long_prompt})[what](args, out)
+    print(json.dumps(out))
+
+
+if __name__ == "__main__":
+    main()
