@@ -787,26 +787,47 @@ def _agree_up_to_near_ties(want, got, tol, what):
     return compared
 
 
+@pytest.fixture(scope="session")
+def calm_dir(tiny_dir, tmp_path_factory):
+    """The tiny checkpoint with its residual-branch outputs (o_proj, down_proj) scaled by 1/8 through their
+    power-of-two block scales (the FP8 format stays exact). A random 3-layer model amplifies any numerical noise
+    chaotically (1% noise in attention moves the tiny model's logits by 1.7, as much as their spread); damped
+    branches keep it near 0.06, so its greedy decisions stay far from that noise: a checkpoint far from ties."""
+    from safetensors.torch import load_file, save_file
+    path = str(tmp_path_factory.mktemp("calm"))
+    for name in os.listdir(tiny_dir):
+        src = os.path.join(tiny_dir, name)
+        if name.endswith(".safetensors"):
+            ts = load_file(src)
+            ts.update({k: v / 8 for k, v in ts.items() if k.endswith(("o_proj.weight_scale_inv",
+                                                                       "down_proj.weight_scale_inv"))})
+            save_file(ts, os.path.join(path, name), metadata={"format": "pt"})
+        else:
+            shutil.copy(src, path)
+    return path
+
+
 @gpu
 @pytest.mark.parametrize("kernels", ["torch", "gpu"])
-def test_gpu_engine_agrees_with_cpu(tiny_dir, kernels):
-    """The engine on CUDA (torch references, or kernels.py) gives the CPU's greedy tokens, with and without MTP, and
-    speculative == plain on the GPU. Tokens may differ only after a near-tie: a position whose top-1 margin is under
-    8x the largest first-token logit difference between the two devices (the same prefill, so that difference is
-    the numerical noise between fp64 CPU sums and fp32/bf16 GPU kernels)."""
+def test_gpu_engine_agrees_with_cpu(calm_dir, kernels):
+    """The engine on CUDA (torch references, or kernels.py) gives the CPU's greedy tokens, with and without MTP
+    (k = 1, 3), and speculative == plain on the GPU. The kernels round attention intermediates to bf16 (as the
+    official reference does) where the CPU keeps fp64, so a token may differ only after a near-tie: a position whose
+    top-1 margin is under 4x the largest first-token logit difference between the devices (the same prefill, so
+    that difference is the numerical noise), and the rest of that request is then not compared."""
     prompts = mixed_prompts(8)
-    cpu = make_llm(tiny_dir, 0).generate(prompts, max_new_tokens=12, return_logits=True)
-    runs = {k: m.LLM(tiny_dir, device="cuda", mtp=k, kernels=kernels).generate(prompts, max_new_tokens=12,
+    cpu = m.LLM(calm_dir, device="cpu", mtp=0).generate(prompts, max_new_tokens=12, return_logits=True)
+    runs = {k: m.LLM(calm_dir, device="cuda", mtp=k, kernels=kernels).generate(prompts, max_new_tokens=12,
                                                                              return_logits=True) for k in (0, 1, 3)}
     noise = max((a.logits[0] - b.logits[0]).abs().max().item() for a, b in zip(cpu, runs[0]))
-    tol = 8 * noise
+    tol = 4 * noise
     total = sum(len(r.token_ids) for r in cpu)
     counts = {f"cpu~gpu mtp={k}": _agree_up_to_near_ties(cpu, runs[k], tol, f"CPU vs GPU mtp={k}") for k in runs}
     counts.update({f"gpu plain~gpu mtp={k}": _agree_up_to_near_ties(runs[0], runs[k], tol, f"GPU plain vs mtp={k}")
                    for k in (1, 3)})
-    print(f"[{kernels}] first-token logit noise {noise:.2e}; tokens compared before a near-tie split, of {total}:",
+    print(f"[{kernels}] first-token logit noise {noise:.3f}; tokens equal before any near-tie split (of {total}):",
           counts)
-    assert noise < 0.05 and min(counts.values()) >= total // 2
+    assert noise < 0.15 and min(counts.values()) >= 0.6 * total          # the comparison is not vacuous
 
 
 def _rand_fp8(*shape, gen, device="cuda"):
@@ -822,8 +843,9 @@ def _random_rows(lens_per_req, rows_per_req, gen, max_slots):
 
 
 @gpu
-@pytest.mark.parametrize("B,rows,ctx", [(1, 1, 1024), (1, 4, 65536), (4, 2, 8192), (64, 1, 4096), (8, 3, None)])
-def test_gpu_indexer_kernel_matches_reference(B, rows, ctx):
+@pytest.mark.parametrize("B,rows,ctx,I,K", [(1, 1, 1024, 64, 2048), (1, 4, 65536, 64, 2048), (4, 2, 8192, 64, 2048),
+                                           (64, 1, 4096, 64, 2048), (8, 3, None, 64, 2048), (4, 2, 70, 4, 32)])
+def test_gpu_indexer_kernel_matches_reference(B, rows, ctx, I, K):
     """Real shapes (64 heads x 128, top-k 2048): the Triton indexer selects the reference's positions. Sets may
     differ only at near-ties: the kernel's FP8 tensor-core dots accumulate with about 14 bits of precision on Hopper
     (DeepSeek-V3 report, 3.3.2; the official fp8_index kernel runs on the same units), so a position may swap
@@ -837,15 +859,15 @@ def test_gpu_indexer_kernel_matches_reference(B, rows, ctx):
     cache = m.LayerCache(torch.zeros(S, 576, dtype=m.BF16, device="cuda"), _rand_fp8(S, 128, gen=gen),
                          2.0 ** torch.randint(-8, -2, (S,), generator=gen, device="cuda").float(), 512)
     T = B * rows
-    q8, w = _rand_fp8(T, 64, 128, gen=gen), torch.randn(T, 64, generator=gen, device="cuda") * 0.01
-    got, want = kernels.index_topk(q8, w, cache, meta, 2048), m.index_topk(q8, w, cache, meta, 2048)
+    q8, w = _rand_fp8(T, I, 128, gen=gen), torch.randn(T, I, generator=gen, device="cuda") * 0.01
+    got, want = kernels.index_topk(q8, w, cache, meta, K), m.index_topk(q8, w, cache, meta, K)
     assert got.shape == want.shape
     ctx_rows = meta.table[meta.row_req, :meta.max_ctx]
     exact = m.index_scores(q8.cpu(), w.cpu().double(), cache.ik[ctx_rows].cpu(), cache.iks[ctx_rows].cpu().double())
     mismatched = 0
     for t in range(T):
         g, r = set(got[t].tolist()) - {-1}, set(want[t].tolist()) - {-1}
-        assert len(g) == len(r) == min(2048, int(meta.ctx_lens[t]))
+        assert len(g) == len(r) == min(K, int(meta.ctx_lens[t]))
         diff = sorted(g ^ r)
         if diff:
             kth = exact[t, sorted(r, key=lambda n: exact[t, n].item())[0]]
@@ -856,32 +878,33 @@ def test_gpu_indexer_kernel_matches_reference(B, rows, ctx):
     print(f"B={B} rows={rows} ctx={lens[:4]}: {mismatched} near-tie swaps over {T} rows")
 
 
-def _sparse_case(B, rows, ctx, gen, K=2048, H=128):
+def _sparse_case(B, rows, ctx, gen, K=2048, H=128, C=512):
     lens = [ctx] * B if ctx else torch.randint(1, 40000, (B,), generator=gen, device="cuda").tolist()
     S = max(lens) * B + rows * B + 64
     meta = _random_rows(lens, rows, gen, S)
-    cache = m.LayerCache((torch.randn(S, 576, generator=gen, device="cuda")).to(m.BF16), None, None, 512)
+    cache = m.LayerCache((torch.randn(S, C + 64, generator=gen, device="cuda")).to(m.BF16), None, None, C)
     T, width = B * rows, min(K, meta.max_ctx)
     def selection():            # distinct random positions below each row's length, valid ones first, -1 after
         pos = torch.rand(T, meta.max_ctx, generator=gen, device="cuda").masked_fill(
             torch.arange(meta.max_ctx, device="cuda") >= meta.ctx_lens[:, None], 2).argsort(-1)[:, :width]
         pos = torch.where(torch.arange(width, device="cuda") < meta.ctx_lens[:, None], pos, -1)
         return torch.where(pos >= 0, meta.table[meta.row_req[:, None], pos.clamp(min=0)], -1)
-    q_abs = torch.randn(T, H, 512, generator=gen, device="cuda") * 0.5
+    q_abs = torch.randn(T, H, C, generator=gen, device="cuda") * 0.5
     q_pe = (torch.randn(T, H, 64, generator=gen, device="cuda") * 0.5).to(m.BF16)
     return meta, cache, q_abs, q_pe, selection
 
 
 @gpu
-@pytest.mark.parametrize("B,rows,ctx", [(1, 1, 1024), (1, 4, 65536), (16, 2, 4096), (64, 1, 32768), (8, 3, None)])
-def test_gpu_sparse_mla_kernel_matches_reference(B, rows, ctx):
+@pytest.mark.parametrize("B,rows,ctx,tiny", [(1, 1, 1024, 0), (1, 4, 65536, 0), (16, 2, 4096, 0), (64, 1, 32768, 0),
+                                             (8, 3, None, 0), (4, 2, 50, 1), (3, 4, 20, 1)])
+def test_gpu_sparse_mla_kernel_matches_reference(B, rows, ctx, tiny):
     """flashinfer FA3 sparse MLA rows vs the fp32 reference at real shapes (128 heads, 512 + 64, top-k 2048), rows of
     different lengths in one call; one plan serves two 'layers' with different selections (plan once per step).
     Bound 1e-2 relative (Frobenius): q and the output are rounded to bf16 (2^-9 each), softmax and sums stay fp32."""
     import kernels
     gen = torch.Generator("cuda").manual_seed(B * 7 + rows)
-    meta, cache, q_abs, q_pe, selection = _sparse_case(B, rows, ctx, gen)
-    cfg = m.Config.full(n_layers=2)
+    cfg = m.Config.tiny() if tiny else m.Config.full(n_layers=2)
+    meta, cache, q_abs, q_pe, selection = _sparse_case(B, rows, ctx, gen, cfg.index_topk, cfg.n_heads, cfg.kv_lora_rank)
     meta.plan = kernels.plan(meta, cfg)
     for layer in range(2):
         slots = selection()
@@ -893,15 +916,16 @@ def test_gpu_sparse_mla_kernel_matches_reference(B, rows, ctx):
 
 
 @gpu
-@pytest.mark.parametrize("S,N", [(1, 1), (100, 100), (37, 2048), (2048, 2048)])
-def test_gpu_dense_attention_kernel_matches_reference(S, N):
+@pytest.mark.parametrize("S,N,H,E,V", [(1, 1, 128, 192, 128), (100, 100, 128, 192, 128), (37, 2048, 128, 192, 128),
+                                       (2048, 2048, 128, 192, 128), (30, 30, 4, 96, 32), (7, 25, 4, 96, 32)])
+def test_gpu_dense_attention_kernel_matches_reference(S, N, H, E, V):
     """SDPA (bf16 in, fp32 softmax) vs the fp32 reference on the same bf16 inputs, 128 heads of 192 / 128; rows are
     the last S of N positions (a chunk after cached tokens). Bound 1e-2 relative: bf16 output rounding and
     bf16 probabilities inside the kernel."""
     import kernels
     gen = torch.Generator("cuda").manual_seed(S + N)
-    q, k = (torch.randn(n, 128, 192, generator=gen, device="cuda").to(m.BF16) for n in (S, N))
-    v = torch.randn(N, 128, 128, generator=gen, device="cuda").to(m.BF16)
+    q, k = (torch.randn(n, H, E, generator=gen, device="cuda").to(m.BF16) for n in (S, N))
+    v = torch.randn(N, H, V, generator=gen, device="cuda").to(m.BF16)
     scale = m.Config().softmax_scale
     got = kernels.dense_attention(q, k, v, scale).float()
     want = m.dense_attention(q.float(), k.float(), v.float(), scale)
