@@ -116,7 +116,7 @@ def plan(meta, cfg):
     dest = torch.where(j < kv_len_dev[:, None], kv_indptr[:-1].to(dev, non_blocking=True)[:, None] + j, total)
     st["plans"] += 1
     p = dict(kv_indices=kv_indices, dest=dest.flatten(), kv_len=kv_len_dev, width=width, generation=st["plans"],
-             max_kv_len=int(kv_len.max()), scale=cfg.softmax_scale)
+             max_kv_len=int(kv_len.max()), scale=cfg.softmax_scale, qk_nope_head_dim=cfg.qk_nope_head_dim)
     if st["wrapper"] is not None:
         from flashinfer.mla._batch_mla._contracts import MLAPlanMetadata
         qo_indptr = torch.arange(len(kv_len) + 1, dtype=torch.int32)
@@ -152,7 +152,7 @@ def _sparse_mla_blackwell(q_abs, q_pe, cache, slots, p, st):
     T, H, C = q_abs.shape
     q = torch.cat([q_abs.to(BF16), q_pe.to(BF16)], -1)[:, None]                # [T, 1, H, C + R]
     out = trtllm_batch_decode_with_kv_cache_mla(
-        query=q, kv_cache=cache.latent[:, None, :], workspace_buffer=st["workspace"], qk_nope_head_dim=128,
+        query=q, kv_cache=cache.latent[:, None, :], workspace_buffer=st["workspace"], qk_nope_head_dim=p["qk_nope_head_dim"],
         kv_lora_rank=C, qk_rope_head_dim=q_pe.shape[-1], block_tables=slots.to(torch.int32)[:, None, :],
         seq_lens=p["kv_len"], max_seq_len=p["max_kv_len"], sparse_mla_top_k=p["width"], bmm1_scale=p["scale"],
         backend="trtllm-gen")
