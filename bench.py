@@ -122,7 +122,7 @@ def long_prompt(args, out):
     m.write_byte_tokenizer(tok_dir, cfg.vocab_size)
     res = []
     for mtp in args.mtp:
-        llm = m.LLM(tok_dir, device="cuda", mtp=mtp, model=model, kv_cache_bytes=args.kv_gib << 30, kernels=args.kernels)
+        llm = m.LLM(tok_dir, device="cuda", mtp=mtp, model=model, kv_cache_bytes=args.kv_gib << 30)
         ids = torch.randint(6, cfg.vocab_size, (args.context,), generator=torch.Generator().manual_seed(0)).tolist()
         stamps = []
         torch.cuda.reset_peak_memory_stats()
@@ -134,7 +134,8 @@ def long_prompt(args, out):
         decode = t_end - stamps[0][0]
         res.append(dict(mtp=mtp, context=args.context, prefill_s=prefill, prefill_tok_s=args.context / prefill,
                         decode_s=decode, decode_tok_s=(len(r.token_ids) - 1) / decode,
-                        mean_accept=llm.stats["mean_accept_length"], peak_gib=torch.cuda.max_memory_allocated() / 2**30))
+                        mean_accept=llm.stats["mean_accept_length"],
+                        peak_gib=torch.cuda.max_memory_allocated() / 2**30))
     table(f"{args.context}-token prompt, Config.full(n_layers={args.layers}) + MTP (random weights built on the GPU in "
           f"{t_build:.1f} s), kernels={model.ops.name}",
           ["mtp", "context", "prefill s", "prefill tok/s", "decode s", "decode tok/s", "mean accepted", "peak GiB"],

@@ -652,7 +652,7 @@ class MLA(nn.Module):
         q_nope, q_pe = self.wq_b(qr).view(T, H, D + R).split([D, R], -1)  # [T, H, D], [T, H, R]
         q_pe = rope(q_pe, cos, sin, interleaved=True)
         kv, k_pe = self.wkv_a(x).split([C, R], -1)                       # [T, C], [T, R]
-        cache.kv[meta.slots] = fp8_round_trip(self.kv_norm(kv))          # the latent is cached as FP8 ([R] simulates it)
+        cache.kv[meta.slots] = fp8_round_trip(self.kv_norm(kv))          # the latent is cached as FP8 ([R] simulates)
         cache.pe[meta.slots] = rope(k_pe, cos, sin, interleaved=True)
         sel = self.indexer(x, qr, cos, sin, meta, cache)                 # [T, K'] context positions, -1 = none
         w = self.wkv_b_abs                                               # fp32/fp64 (torch path) or bf16 (kernels)
