@@ -154,8 +154,8 @@ def _sparse_mla_blackwell(q_abs, q_pe, cache, slots, p, st):
     out = trtllm_batch_decode_with_kv_cache_mla(
         query=q, kv_cache=cache.latent[:, None, :], workspace_buffer=st["workspace"],
         qk_nope_head_dim=p["qk_nope_head_dim"], kv_lora_rank=C, qk_rope_head_dim=q_pe.shape[-1],
-        block_tables=slots.to(torch.int32)[:, None, :], seq_lens=p["kv_len"], max_seq_len=p["max_kv_len"], sparse_mla_top_k=p["width"], bmm1_scale=p["scale"],
-        backend="trtllm-gen")
+        block_tables=slots.to(torch.int32)[:, None, :], seq_lens=p["kv_len"], max_seq_len=p["max_kv_len"],
+        sparse_mla_top_k=p["width"], bmm1_scale=p["scale"], backend="trtllm-gen")
     return out.view(T, H, C)
 
 
