@@ -108,7 +108,7 @@ class Config:
     def __post_init__(self):
         """Refuse (one-line ValueError) what the layers cannot run: wrong types or signs first, then shapes."""
         for f in fields(self):                     # integers >= 1 and floats > 0, unless LOW says otherwise
-            kind = int if f.type == "int" else float
+            kind = int if f.type in ("int", int) else float
             check_arg(self.label(f.name), getattr(self, f.name), kind, self.LOW.get(f.name, 1 if kind is int else 0),
                       open_low=kind is float)
         G = self.n_routed_experts // self.n_expert_groups                 # experts per group
@@ -868,12 +868,13 @@ def read_safetensors_header(file):
         spans.append((a, b, name))
     end = 0
     for a, b, name in sorted(spans):
-        if a != end:
-            raise ValueError(f"{file}: tensor {name} starts at data byte {a}, expected {end} (overlap or gap)")
+        if a != end or 8 + n + b > size:
+            raise ValueError(f"{file}: tensor {name} " + (f"starts at data byte {a}, expected {end} (overlap or gap)"
+                             if a != end else f"ends at byte {8 + n + b}, past the end of the file ({size} bytes): "
+                             "truncated"))
         end = b
     if 8 + n + end != size:
-        raise ValueError(f"{file}: the header declares {end} bytes of tensor data, the file holds {size - 8 - n}"
-                         f"{' (truncated)' if 8 + n + end > size else ''}")
+        raise ValueError(f"{file}: {size - 8 - n - end} bytes after the last tensor (not a safetensors file)")
     return {name: (t["shape"], t["dtype"]) for name, t in header.items()}
 
 
@@ -884,12 +885,12 @@ def validate_checkpoint(path, cfg: Config):
     files, weight_map = _shard_files(path)
     for file in files:
         for name, (shape, dtype) in read_safetensors_header(file).items():
-            base = os.path.basename(file)
             if name in found:
-                raise ValueError(f"{path}: tensor {name} is in both {found[name][2]} and {base}")
-            if weight_map.get(name, base) != base:
-                raise ValueError(f"{path}: tensor {name} is in {base}, but the index says {weight_map[name]}")
-            found[name] = (shape, dtype, base)
+                raise ValueError(f"{path}: tensor {name} is in both {found[name][2]} and {os.path.basename(file)}")
+            found[name] = (shape, dtype, os.path.basename(file))
+    for name, file in weight_map.items():
+        if name in found and found[name][2] != file:
+            raise ValueError(f"{path}: tensor {name} is in {found[name][2]}, but the index says {file}")
     for name, (shape, dtype, file) in found.items():
         if name not in expected:
             raise ValueError(f"{path}: unexpected tensor {name} in {file} (not part of DeepSeek-V3.2 with this "
