@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import json
 import math
-import numbers
 import os
 import shutil
 import sys
@@ -26,6 +25,7 @@ import time
 import zlib
 from dataclasses import dataclass, field, fields
 from itertools import accumulate
+from numbers import Integral, Real
 
 import torch
 import torch.nn as nn
@@ -41,13 +41,11 @@ BF16 = torch.bfloat16
 # Config, and the checks that give every fault in a user value or a model file one ValueError line naming it
 # ------------------------------------------------------------------------------------------------------------
 def _is_num(v, integer=False):         # finite (not nan, inf, or beyond the float range), never a bool
-    return isinstance(v, numbers.Integral if integer else numbers.Real) and not isinstance(v, bool) and \
-        abs(v) <= sys.float_info.max
+    return isinstance(v, Integral if integer else Real) and not isinstance(v, bool) and abs(v) <= sys.float_info.max
 
 
 def check_arg(name, value, kind, low=None, high=None, open_low=False):
-    """A value of `kind` (int, float: a finite number, or bool) within [low, high] (or (low, high] with open_low),
-    else a one-line ValueError naming it."""
+    """A `kind` value (int, float: finite, or bool) in [low, high] ((low, high] if open_low), else a ValueError."""
     what, ok = {int: ("an integer", _is_num(value, True)), float: ("a finite number", _is_num(value)),
                 bool: ("True or False", isinstance(value, bool))}[kind]
     if not ok:
@@ -111,12 +109,11 @@ class Config:
             kind = int if f.type in ("int", int) else float
             check_arg(self.label(f.name), getattr(self, f.name), kind, self.LOW.get(f.name, 1 if kind is int else 0),
                       open_low=kind is float)
-        G = self.n_routed_experts // self.n_expert_groups                 # experts per group
         rules = [(self.n_dense_layers <= self.n_layers, "more dense layers than layers"),
                  (self.n_routed_experts % self.n_expert_groups == 0, "experts must split evenly into groups"),
-                 (G >= 2, "group score is the sum of the top-2 experts"),
+                 (self.n_routed_experts // self.n_expert_groups >= 2, "group score is the sum of the top-2 experts"),
                  (self.n_limited_groups <= self.n_expert_groups and self.n_activated_experts <= self.n_limited_groups
-                  * G, "top-k larger than kept groups"),
+                  * (self.n_routed_experts // self.n_expert_groups), "top-k larger than kept groups"),
                  (self.n_heads * self.v_head_dim % BLOCK == 0, "o_proj input must be a multiple of 128"),
                  (self.index_head_dim == BLOCK, "indexer heads are one 128-wide FP8 group each (Hadamard 128)"),
                  (self.qk_rope_head_dim % 2 == 0 and self.qk_rope_head_dim <= self.index_head_dim,
@@ -129,12 +126,10 @@ class Config:
         if why:
             raise ValueError(why)
 
-    # lower bounds other than the default (integers >= 1, floats > 0); mscale may be any finite number
     LOW = dict(n_dense_layers=0, n_mtp_layers=0, bos_token_id=0, eos_token_id=0, rope_theta=1.0, mscale=-math.inf)
 
     @classmethod
-    def label(cls, name):
-        """Our field name, with the config.json name where it differs: `dim (hidden_size)`."""
+    def label(cls, name):                      # our field name, and the config.json one where it differs
         hf = {v: k for k, v in cls.HF_NAMES.items()} | {v: f"rope_scaling.{k}" for k, v in cls.ROPE_NAMES.items()}
         return f"{name} ({hf[name]})" if hf.get(name, name) != name else name
 
@@ -870,8 +865,7 @@ def read_safetensors_header(file):
     for a, b, name in sorted(spans):
         if a != end or 8 + n + b > size:
             raise ValueError(f"{file}: tensor {name} " + (f"starts at data byte {a}, expected {end} (overlap or gap)"
-                             if a != end else f"ends at byte {8 + n + b}, past the end of the file ({size} bytes): "
-                             "truncated"))
+                             if a != end else f"ends past the end of the file ({8 + n + b} > {size} bytes): truncated"))
         end = b
     if 8 + n + end != size:
         raise ValueError(f"{file}: {size - 8 - n - end} bytes after the last tensor (not a safetensors file)")
@@ -879,8 +873,7 @@ def read_safetensors_header(file):
 
 
 def validate_checkpoint(path, cfg: Config):
-    """Check every shard against its header, then every tensor's presence, shape and dtype, from the shard headers
-    alone; raise naming the file and the tensor."""
+    """Check each shard against its header, then every tensor's presence, shape and dtype; faults name the tensor."""
     expected, found = checkpoint_tensors(cfg), {}
     files, weight_map = _shard_files(path)
     for file in files:
@@ -1132,6 +1125,8 @@ class LLM:
     """DeepSeek-V3.2 engine. Every step is one of: a prefill step (chunks of prompts, then the MTP layer over
     the same chunks), or a decode round over all running requests: verify k drafts per request in one main-model
     pass of decode rows, accept, draft-extend the MTP layer over the accepted tokens, draft k new tokens."""
+    # generate's numeric arguments: check_arg's (kind, low, high, open_low); the CLI checks them before loading
+    SAMPLING = dict(max_new_tokens=(int, 0, None, True), temperature=(float, 0), top_p=(float, 0, 1, True), seed=(int,))
 
     def __init__(self, model_dir=None, device=None, mtp=1, kv_cache_bytes=None, page_size=16, max_batch=64,
                  max_prefill_tokens=1024, max_context=None):
@@ -1143,7 +1138,7 @@ class LLM:
             self.device = dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         except (RuntimeError, TypeError):
             raise ValueError(f"unknown device {device!r}") from None
-        n_gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        n_gpus = torch.cuda.device_count()                               # 0 without CUDA
         if dev.type not in ("cpu", "cuda") or dev.type == "cuda" and (dev.index or 0) >= n_gpus:
             raise ValueError(f"device {device!r}: " + ("nano-nsa runs on cpu or cuda" if dev.type != "cuda" else
                              f"this machine has {n_gpus} CUDA devices" if n_gpus else "CUDA is not available"))
@@ -1206,11 +1201,10 @@ class LLM:
             prompts = [prompts]
         if not isinstance(prompts, (list, tuple)) or not all(isinstance(p, str) or token_ids(p) for p in prompts):
             raise ValueError(f"prompts must be a string, a list of token ids, or a list of those (got {prompts!r:.80})")
-        checks = dict(max_new_tokens=(max_new_tokens, int, 0, None, True), temperature=(temperature, float, 0),
-                      top_p=(top_p, float, 0, 1, True), seed=(0 if seed is None else seed, int),
-                      return_logits=(return_logits, bool), thinking=(thinking, bool), raw=(raw, bool))
-        for name, (v, *rule) in checks.items():                    # rule: kind, low, high, open_low
-            check_arg(name, v, *rule)
+        given = dict(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, return_logits=return_logits,
+                     thinking=thinking, raw=raw, seed=0 if seed is None else seed)
+        for name, v in given.items():
+            check_arg(name, v, *self.SAMPLING.get(name, (bool,)))
         if on_tokens is not None and not callable(on_tokens):
             raise ValueError(f"on_tokens must be a function (got {on_tokens!r:.80})")
         if not prompts:
@@ -1416,6 +1410,8 @@ def main(argv=None):
                 raise ValueError(f"{args.prompt_file}: not UTF-8 text ({e.reason} at byte {e.start})") from None
         if not prompts:
             raise ValueError("give at least one --prompt or a --prompt-file")
+        for name, rule in LLM.SAMPLING.items():                # before any work: a model may take minutes to load
+            check_arg(name, getattr(args, name), *rule)
         llm = LLM(args.model, device=args.device, mtp=args.mtp, max_context=args.max_context)
         stream = not args.json and len(prompts) == 1
         streamed, printed = [], [""]

@@ -900,7 +900,7 @@ def test_damaged_shard_is_one_clear_line(tiny_dir, tmp_path, fault, capsys):
     expect = [shard]
     if fault == "truncated":
         open(file, "wb").write(raw[:-1000])
-        expect += ["truncated", "past the end of the file"]
+        expect += ["truncated", "ends past the end of the file"]
     elif fault == "empty":
         open(file, "wb").write(b"")
         expect += ["not a safetensors file", "file size 0"]
@@ -1078,6 +1078,7 @@ GENERATE_FAULTS = {         # case: (generate arguments, the message)
     "max_new_tokens_none": (dict(max_new_tokens=None), "max_new_tokens must be an integer (got None)"),
     "max_new_tokens_negative": (dict(max_new_tokens=-3), "max_new_tokens must be > 0 (got -3)"),
     "seed_float": (dict(seed=1.5), "seed must be an integer (got 1.5)"),
+    "seed_zero_float": (dict(seed=0.0), "seed must be an integer (got 0.0)"),
     "seed_str": (dict(seed="42"), "seed must be an integer (got '42')"),
     "thinking_str": (dict(thinking="yes"), "thinking must be True or False (got 'yes')"),
     "raw_int": (dict(raw=1), "raw must be True or False (got 1)"),
@@ -1159,8 +1160,10 @@ CLI_FAULTS = {              # case: (extra CLI arguments, the message)
 
 @pytest.mark.parametrize("case", list(CLI_FAULTS))
 def test_cli_bad_options_are_one_clear_line(tiny_dir, tmp_path, case, capsys, monkeypatch):
+    """Each refused before any weight is loaded."""
     extra, message = CLI_FAULTS[case]
     monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(m, "load_model", lambda *a, **k: pytest.fail("weights loaded before the option check"))
     (tmp_path / "bin").write_bytes(b"ok\n\xff\xfe\n")
     err = _cli_error(["--model", tiny_dir, "--prompt", "hi", "--max-new-tokens", "2"] + extra, capsys)
     assert message in err, err
