@@ -26,6 +26,7 @@ import zlib
 from dataclasses import dataclass, field, fields
 from itertools import accumulate
 from types import SimpleNamespace
+from numbers import Integral, Real
 
 import torch
 import torch.nn as nn
@@ -38,8 +39,35 @@ BF16 = torch.bfloat16
 
 
 # ------------------------------------------------------------------------------------------------------------
-# Config
+# Config, and the checks that give every fault in a user value or a model file one ValueError line naming it
 # ------------------------------------------------------------------------------------------------------------
+def _is_num(v, integer=False):         # finite (not nan, inf, or beyond the float range), never a bool
+    return isinstance(v, Integral if integer else Real) and not isinstance(v, bool) and abs(v) <= sys.float_info.max
+
+
+def check_arg(name, value, kind, low=None, high=None, open_low=False):
+    """A `kind` value (int, float: finite, or bool) in [low, high] ((low, high] if open_low), else a ValueError."""
+    what, ok = {int: ("an integer", _is_num(value, True)), float: ("a finite number", _is_num(value)),
+                bool: ("True or False", isinstance(value, bool))}[kind]
+    if not ok:
+        raise ValueError(f"{name} must be {what} (got {value!r:.80})")
+    if low is not None and (value < low or open_low and value == low) or high is not None and value > high:
+        rule = f"{'>' if open_low else '>='} {low}" if high is None else f"in {'(' if open_low else '['}{low}, {high}]"
+        raise ValueError(f"{name} must be {rule} (got {value!r})")
+
+
+def read_json(path):
+    """A JSON object from a file, or a one-line ValueError naming the file."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            obj = json.load(f)
+    except (OSError, ValueError) as e:                  # ValueError: bad JSON or not UTF-8
+        raise ValueError(f"{path}: {'cannot read' if isinstance(e, OSError) else 'not valid JSON'} ({e})") from None
+    if not isinstance(obj, dict):
+        raise ValueError(f"{path}: expected a JSON object, not {type(obj).__name__}")
+    return obj
+
+
 @dataclass
 class Config:
     """Every field the model uses; names follow DeepSeek's reference `ModelArgs` (HF names in from_json)."""
@@ -77,17 +105,34 @@ class Config:
     eos_token_id: int = 1
 
     def __post_init__(self):
-        assert self.n_dense_layers <= self.n_layers, "more dense layers than layers"
-        assert self.n_routed_experts % self.n_expert_groups == 0, "experts must split evenly into groups"
-        assert self.n_routed_experts // self.n_expert_groups >= 2, "group score is the sum of the top-2 experts"
-        assert self.n_limited_groups <= self.n_expert_groups and self.n_activated_experts <= \
-            self.n_limited_groups * (self.n_routed_experts // self.n_expert_groups), "top-k larger than kept groups"
-        for name in ("dim", "q_lora_rank", "kv_lora_rank", "inter_dim", "moe_inter_dim"):
-            assert getattr(self, name) % BLOCK == 0, f"{name} must be a multiple of {BLOCK} (FP8 activation groups)"
-        assert self.n_heads * self.v_head_dim % BLOCK == 0, "o_proj input must be a multiple of 128"
-        assert self.index_head_dim == BLOCK, "indexer heads are one 128-wide FP8 group each (Hadamard 128)"
-        assert self.qk_rope_head_dim % 2 == 0 and self.qk_rope_head_dim <= self.index_head_dim
-        assert self.index_topk >= 1 and self.max_seq_len > self.original_seq_len
+        """Refuse (one-line ValueError) what the layers cannot run: wrong types or signs first, then shapes."""
+        for f in fields(self):                     # integers >= 1 and floats > 0, unless LOW says otherwise
+            kind = int if f.type in ("int", int) else float
+            check_arg(self.label(f.name), getattr(self, f.name), kind, self.LOW.get(f.name, 1 if kind is int else 0),
+                      open_low=kind is float)
+        rules = [(self.n_dense_layers <= self.n_layers, "more dense layers than layers"),
+                 (self.n_routed_experts % self.n_expert_groups == 0, "experts must split evenly into groups"),
+                 (self.n_routed_experts // self.n_expert_groups >= 2, "group score is the sum of the top-2 experts"),
+                 (self.n_limited_groups <= self.n_expert_groups and self.n_activated_experts <= self.n_limited_groups
+                  * (self.n_routed_experts // self.n_expert_groups), "top-k larger than kept groups"),
+                 (self.n_heads * self.v_head_dim % BLOCK == 0, "o_proj input must be a multiple of 128"),
+                 (self.index_head_dim == BLOCK, "indexer heads are one 128-wide FP8 group each (Hadamard 128)"),
+                 (self.qk_rope_head_dim % 2 == 0 and self.qk_rope_head_dim <= self.index_head_dim,
+                  "qk_rope_head_dim must be even and at most index_head_dim"),
+                 (self.max_seq_len > self.original_seq_len, "max_seq_len must exceed original_seq_len"),
+                 (max(self.bos_token_id, self.eos_token_id) < self.vocab_size, "bos/eos_token_id >= vocab_size")]
+        rules += [(getattr(self, n) % BLOCK == 0, f"{self.label(n)} must be a multiple of {BLOCK} (FP8 activation "
+                   f"groups)") for n in ("dim", "q_lora_rank", "kv_lora_rank", "inter_dim", "moe_inter_dim")]
+        why = next((why for ok, why in rules if not ok), None)
+        if why:
+            raise ValueError(why)
+
+    LOW = dict(n_dense_layers=0, n_mtp_layers=0, bos_token_id=0, eos_token_id=0, rope_theta=1.0, mscale=-math.inf)
+
+    @classmethod
+    def label(cls, name):                      # our field name, and the config.json one where it differs
+        hf = {v: k for k, v in cls.HF_NAMES.items()} | {v: f"rope_scaling.{k}" for k, v in cls.ROPE_NAMES.items()}
+        return f"{name} ({hf[name]})" if hf.get(name, name) != name else name
 
     @property
     def qk_head_dim(self):
@@ -116,30 +161,30 @@ class Config:
             path = os.path.join(path, "config.json")
         if not os.path.isfile(path):
             raise ValueError(f"no config.json at {path}")
-        with open(path) as f:
-            hf = json.load(f)
-        if hf.get("model_type") != "deepseek_v32" and "DeepseekV32ForCausalLM" not in hf.get("architectures", []):
+        hf = read_json(path)
+        arch, q, rope = hf.get("architectures"), hf.get("quantization_config", {}), hf.get("rope_scaling") or {}
+        if hf.get("model_type") != "deepseek_v32" and not (isinstance(arch, list) and "DeepseekV32ForCausalLM" in arch):
             raise ValueError(f"{path} is not a DeepSeek-V3.2 config (model_type={hf.get('model_type')!r})")
+        if not isinstance(q, dict) or not isinstance(rope, dict):
+            raise ValueError(f"{path}: quantization_config and rope_scaling must be JSON objects")
         want = dict(scoring_func="sigmoid", topk_method="noaux_tc", hidden_act="silu", norm_topk_prob=True,
                     tie_word_embeddings=False)
         for k, v in want.items():
             if k in hf and hf[k] != v:
                 raise ValueError(f"{path}: {k}={hf[k]!r} is not supported (DeepSeek-V3.2 uses {v!r})")
-        q = hf.get("quantization_config", {})
         if q.get("quant_method") != "fp8" or q.get("fmt", "e4m3") != "e4m3" or \
-                list(q.get("weight_block_size", [])) != [BLOCK, BLOCK]:
+                q.get("weight_block_size") != [BLOCK, BLOCK]:
             raise ValueError(f"{path}: expected quantization_config fp8 e4m3 with weight_block_size [128, 128]")
         if q.get("scale_fmt", "ue8m0") != "ue8m0":     # activation scales are powers of two (ue8m0) here
             raise ValueError(f"{path}: scale_fmt {q['scale_fmt']!r} is not supported (DeepSeek-V3.2 uses 'ue8m0')")
-        names = {f.name for f in fields(cls)}
-        kw = {cls.HF_NAMES.get(k, k): v for k, v in hf.items() if cls.HF_NAMES.get(k, k) in names}
-        rope = hf.get("rope_scaling") or {}
         if rope.get("type", rope.get("rope_type")) != "yarn":
             raise ValueError(f"{path}: expected rope_scaling of type yarn")
+        names = {f.name for f in fields(cls)}
+        kw = {cls.HF_NAMES.get(k, k): v for k, v in hf.items() if cls.HF_NAMES.get(k, k) in names}
         kw.update({ours: rope[k] for k, ours in cls.ROPE_NAMES.items() if k in rope})
         try:
             return cls(**kw)
-        except (AssertionError, TypeError) as e:
+        except ValueError as e:
             raise ValueError(f"{path}: invalid DeepSeek-V3.2 config: {e}") from None
 
     def to_hf(self):
@@ -860,44 +905,87 @@ class KVCache:
 # ------------------------------------------------------------------------------------------------------------
 SAFETENSORS_DTYPES = {"F8_E4M3": FP8, "BF16": BF16, "F32": torch.float32, "F16": torch.float16,
                       "F64": torch.float64, "I64": torch.int64, "I32": torch.int32, "U8": torch.uint8,
-                      "F8_E5M2": torch.float8_e5m2, "BOOL": torch.bool}
+                      "F8_E5M2": torch.float8_e5m2, "BOOL": torch.bool, "I8": torch.int8, "I16": torch.int16,
+                      "U16": torch.uint16, "U32": torch.uint32, "U64": torch.uint64}
 
 
 def _shard_files(path):
+    """The shard files and, with an index, its weight map {tensor: file}."""
     index = os.path.join(path, "model.safetensors.index.json")
     if os.path.isfile(index):
-        with open(index) as f:
-            files = sorted(set(json.load(f)["weight_map"].values()))
+        weight_map = read_json(index).get("weight_map")
+        if not isinstance(weight_map, dict) or not all(isinstance(f, str) for f in weight_map.values()):
+            raise ValueError(f"{index}: expected a weight_map of tensor name -> shard file name")
+        files = sorted(set(weight_map.values()))
     elif os.path.isfile(os.path.join(path, "model.safetensors")):
-        files = ["model.safetensors"]
+        files, weight_map = ["model.safetensors"], {}
     else:
         raise ValueError(f"{path}: no model.safetensors.index.json or model.safetensors (safetensors only)")
     for f in files:
         if not os.path.isfile(os.path.join(path, f)):
             raise ValueError(f"{path}: shard {f} listed in model.safetensors.index.json is missing")
-    return [os.path.join(path, f) for f in files]
+    return [os.path.join(path, f) for f in files], weight_map
+
+
+def read_safetensors_header(file):
+    """{tensor: (shape, dtype)} of one shard, checked as safetensors does: a header length that fits, a JSON header,
+    each tensor's bytes = dtype size x shape, tensors back to back filling the file. Faults name file and tensor."""
+    size = os.path.getsize(file)
+    with open(file, "rb") as f:
+        n = int.from_bytes(f.read(8), "little") if size >= 8 else -1
+        if not 2 <= n <= min(size - 8, 100_000_000):
+            raise ValueError(f"{file}: not a safetensors file, or truncated (header length {n}, file size {size})")
+        try:
+            header = json.loads(f.read(n))
+        except ValueError as e:                                  # bad JSON or not UTF-8
+            raise ValueError(f"{file}: corrupt safetensors header ({e})") from None
+    meta = header.pop("__metadata__", {}) if isinstance(header, dict) else None
+    if not isinstance(meta, dict) or not all(isinstance(v, str) for v in meta.values()):
+        raise ValueError(f"{file}: corrupt safetensors header (not a JSON object of tensors with string metadata)")
+    spans = []
+    for name, t in header.items():
+        if not (isinstance(t, dict) and t.get("dtype") in SAFETENSORS_DTYPES and isinstance(t.get("shape"), list)
+                and all(_is_num(d, True) and d >= 0 for d in t["shape"]) and isinstance(t.get("data_offsets"), list)
+                and len(t["data_offsets"]) == 2 and all(_is_num(o, True) for o in t["data_offsets"])):
+            raise ValueError(f"{file}: tensor {name} has a corrupt header entry {json.dumps(t)[:200]}")
+        (a, b), need = t["data_offsets"], math.prod(t["shape"]) * SAFETENSORS_DTYPES[t["dtype"]].itemsize
+        if b - a != need:
+            raise ValueError(f"{file}: tensor {name} has {b - a} bytes, but {t['dtype']} {t['shape']} is {need}")
+        spans.append((a, b, name))
+    end = 0
+    for a, b, name in sorted(spans):
+        if a != end or 8 + n + b > size:
+            raise ValueError(f"{file}: tensor {name} " + (f"starts at data byte {a}, expected {end} (overlap or gap)"
+                             if a != end else f"ends past the end of the file ({8 + n + b} > {size} bytes): truncated"))
+        end = b
+    if 8 + n + end != size:
+        raise ValueError(f"{file}: {size - 8 - n - end} bytes after the last tensor (not a safetensors file)")
+    return {name: (t["shape"], t["dtype"]) for name, t in header.items()}
 
 
 def validate_checkpoint(path, cfg: Config):
-    """Check every tensor's presence, shape and dtype from the shard headers alone; raise naming the tensor."""
-    from safetensors import safe_open
+    """Check each shard against its header, then every tensor's presence, shape and dtype; faults name the tensor."""
     expected, found = checkpoint_tensors(cfg), {}
-    for file in _shard_files(path):
-        with safe_open(file, "pt") as f:
-            for name in f.keys():
-                sl = f.get_slice(name)
-                found[name] = (list(sl.get_shape()), sl.get_dtype(), os.path.basename(file))
+    files, weight_map = _shard_files(path)
+    for file in files:
+        for name, (shape, dtype) in read_safetensors_header(file).items():
+            if name in found:
+                raise ValueError(f"{path}: tensor {name} is in both {found[name][2]} and {os.path.basename(file)}")
+            found[name] = (shape, dtype, os.path.basename(file))
+    for name, file in weight_map.items():
+        if name in found and found[name][2] != file:
+            raise ValueError(f"{path}: tensor {name} is in {found[name][2]}, but the index says {file}")
     for name, (shape, dtype, file) in found.items():
         if name not in expected:
             raise ValueError(f"{path}: unexpected tensor {name} in {file} (not part of DeepSeek-V3.2 with this "
                              f"config)")
         want_shape, kind = expected[name]
         if shape != want_shape:
-            raise ValueError(f"{path}: tensor {name} has shape {shape}, expected {want_shape}")
+            raise ValueError(f"{path}: tensor {name} has shape {shape}, expected {want_shape} (in {file})")
         allowed = ALLOWED_DTYPES[kind]
         if SAFETENSORS_DTYPES.get(dtype) not in allowed:
             raise ValueError(f"{path}: tensor {name} has dtype {dtype}, expected "
-                             f"{' or '.join(str(d).removeprefix('torch.') for d in allowed)}")
+                             f"{' or '.join(str(d).removeprefix('torch.') for d in allowed)} (in {file})")
     for name, (shape, kind) in expected.items():
         if name not in found:
             raise ValueError(f"{path}: missing tensor {name} (expected {kind} {shape})")
@@ -919,21 +1007,28 @@ def select_ops(kernels, device):
     return TORCH_OPS if why else gpu_kernels.GPU_OPS
 
 
-def load_model(path, device="cpu", kernels="auto") -> Transformer:
-    """Load a DeepSeek-V3.2 HF checkpoint directory. FP8 weights stay FP8 with their block scales; norms, router
-    bias, weights_proj and the heads are upcast to fp32 one tensor at a time, as the reference does. The model is
-    then bound to its kernel set (`select_ops`)."""
-    from safetensors import safe_open
-    from tqdm import tqdm
-    if not os.path.isdir(path):
-        raise ValueError(f"model directory {path} does not exist")
+def open_checkpoint(path) -> Config:
+    """The config of a checkpoint directory, after checking config.json and every shard header (no weights read)."""
+    if not isinstance(path, (str, os.PathLike)) or not os.path.isdir(path):
+        raise ValueError(f"model directory {path!r} does not exist (or is not a directory)")
     cfg = Config.from_json(path)
     validate_checkpoint(path, cfg)
+    return cfg
+
+
+def load_model(path, device="cpu", kernels="auto", cfg=None) -> Transformer:
+    """Load a DeepSeek-V3.2 HF checkpoint directory (cfg: open_checkpoint(path), if the caller has it already). FP8
+    weights stay FP8 with their block scales; norms, router bias, weights_proj and the heads are upcast to fp32 one
+    tensor at a time, as the reference does. A tensor holding nan or inf is refused by name. The model is then
+    bound to its kernel set (`select_ops`)."""
+    from safetensors import safe_open
+    from tqdm import tqdm
+    cfg = cfg or open_checkpoint(path)
     with torch.device("meta"):
         model = Transformer(cfg)
     model = model.to_empty(device=device).eval()
     params = dict(model.named_parameters())
-    files = _shard_files(path)
+    files = _shard_files(path)[0]
     total = sum(os.path.getsize(f) for f in files)
     with tqdm(total=total, unit="B", unit_scale=True, desc="loading", leave=False,
               disable=total < (256 << 20)) as bar:
@@ -941,7 +1036,10 @@ def load_model(path, device="cpu", kernels="auto") -> Transformer:
             with safe_open(file, "pt", device="cpu") as f:
                 for name in f.keys():
                     t = f.get_tensor(name)
-                    params[ours_name(cfg, name)].copy_(t)
+                    p = params[ours_name(cfg, name)].copy_(t)
+                    bad = (p.view(torch.uint8) & 0x7F == 0x7F) if p.dtype == FP8 else ~p.isfinite()  # e4m3fn nan
+                    if bad.any():
+                        raise ValueError(f"{file}: tensor {name} holds {int(bad.sum())} nan or inf values")
                     bar.update(t.numel() * t.element_size())
     return _share_mtp_copies(model).bind(select_ops(kernels, device))
 
@@ -1035,6 +1133,29 @@ def write_byte_tokenizer(path, vocab_size):
         json.dump({"add_bos_token": False, "add_eos_token": False, "bos_token": token(BOS), "eos_token": token(EOS),
                    "pad_token": token(EOS), "clean_up_tokenization_spaces": False, "legacy": True,
                    "model_max_length": 131072, "tokenizer_class": "LlamaTokenizerFast"}, f, indent=2)
+
+
+def load_tokenizer(model_dir, cfg: Config):
+    """tokenizer.json, checked against the model: no token id >= vocab_size, the chat format's special tokens each
+    encode as one token, and BOS / EOS are the config's bos_token_id / eos_token_id."""
+    from tokenizers import Tokenizer
+    file = os.path.join(model_dir, "tokenizer.json")
+    if not os.path.isfile(file):
+        raise ValueError(f"{model_dir}: no tokenizer.json")
+    try:
+        tok = Tokenizer.from_file(file)
+    except Exception as e:                      # the tokenizers library raises a bare Exception
+        raise ValueError(f"{file}: not a valid tokenizer ({' '.join(str(e).split())})") from None
+    top = max(tok.get_vocab(with_added_tokens=True).values(), default=-1)
+    if top >= cfg.vocab_size:
+        raise ValueError(f"{file}: has token id {top}, but the model's vocab_size is {cfg.vocab_size}")
+    for t in (BOS, EOS, USER, ASSISTANT, THINK, END_THINK):
+        if tok.encode(t, add_special_tokens=False).ids != [tok.token_to_id(t)]:
+            raise ValueError(f"{file}: the special token {t} is missing (the chat format needs it as one token)")
+    for t, key, want in ((BOS, "bos", cfg.bos_token_id), (EOS, "eos", cfg.eos_token_id)):
+        if tok.token_to_id(t) != want:
+            raise ValueError(f"{file}: {t} is token {tok.token_to_id(t)}, but config.json has {key}_token_id {want}")
+    return tok
 
 
 def default_model_dir() -> str:
@@ -1134,33 +1255,38 @@ class LLM:
     """DeepSeek-V3.2 engine. Every step is one of: a prefill step (chunks of prompts, then the MTP layer over
     the same chunks), or a decode round over all running requests: verify k drafts per request in one main-model
     pass of decode rows, accept, draft-extend the MTP layer over the accepted tokens, draft k new tokens."""
+    # generate's numeric arguments: check_arg's (kind, low, high, open_low); the CLI checks them before loading
+    SAMPLING = dict(max_new_tokens=(int, 0, None, True), temperature=(float, 0), top_p=(float, 0, 1, True), seed=(int,))
 
     def __init__(self, model_dir=None, device=None, mtp=1, kv_cache_bytes=None, page_size=16, max_batch=64,
                  max_prefill_tokens=1024, max_context=None, kernels="auto", model=None):
-        from tokenizers import Tokenizer
+        for name, v in dict(mtp=mtp, page_size=page_size, max_batch=max_batch, max_prefill_tokens=max_prefill_tokens,
+                            kv_cache_bytes=kv_cache_bytes, max_context=max_context).items():
+            if v is not None or name not in ("kv_cache_bytes", "max_context"):       # these two: None = automatic
+                check_arg(name, v, int, int(name != "mtp"))
         try:
-            self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
-        except RuntimeError:
+            self.device = dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        except (RuntimeError, TypeError):
             raise ValueError(f"unknown device {device!r}") from None
-        if self.device.type == "cuda" and not torch.cuda.is_available():
-            raise ValueError(f"device {device!r}: CUDA is not available on this machine")
+        n_gpus = torch.cuda.device_count()                               # 0 without CUDA
+        if dev.type not in ("cpu", "cuda") or dev.type == "cuda" and (dev.index or 0) >= n_gpus:
+            raise ValueError(f"device {device!r}: " + ("nano-nsa runs on cpu or cuda" if dev.type != "cuda" else
+                             f"this machine has {n_gpus} CUDA devices" if n_gpus else "CUDA is not available"))
         model_dir = model_dir or default_model_dir()
-        self.model = model or load_model(model_dir, self.device, kernels)   # model: built already (bench.py)
-        self.cfg = cfg = self.model.cfg
-        self.announce = self.device.type == "cuda"   # say once, at the first generate, which kernels run
-        tok_file = os.path.join(model_dir, "tokenizer.json")
-        if not os.path.isfile(tok_file):
-            raise ValueError(f"{model_dir}: no tokenizer.json")
-        self.tokenizer = Tokenizer.from_file(tok_file)
-        if mtp < 0 or (mtp > 0 and cfg.n_mtp_layers == 0):
-            raise ValueError(f"mtp={mtp}: needs a checkpoint with an MTP layer and mtp >= 0")
-        if min(page_size, max_batch, max_prefill_tokens) < 1:
-            raise ValueError("page_size, max_batch and max_prefill_tokens must be >= 1")
+        self.cfg = cfg = model.cfg if model else open_checkpoint(model_dir)   # config + shard headers: no weights yet
+        self.tokenizer = load_tokenizer(model_dir, cfg)
+        if mtp > 0 and cfg.n_mtp_layers == 0:
+            raise ValueError(f"mtp={mtp}: needs a checkpoint with an MTP layer")
+        page, cuda = KVCache.bytes_per_token(cfg) * page_size, dev.type == "cuda"
+        memory = torch.cuda.mem_get_info(dev)[1] if cuda else os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+        if kv_cache_bytes is not None and not page <= kv_cache_bytes <= memory:
+            raise ValueError(f"kv_cache_bytes={kv_cache_bytes}: " + (f"less than one page of the KV pool ({page} bytes)"
+                             if kv_cache_bytes < page else f"more than the {memory} bytes of {dev.type} memory"))
+        self.model = model or load_model(model_dir, dev, kernels, cfg)  # model: built already (bench.py)
+        self.announce = dev.type == "cuda"              # say once, at the first generate, which kernels run
         self.k, self.page_size, self.max_batch, self.max_prefill_tokens = mtp, page_size, max_batch, max_prefill_tokens
-        if kv_cache_bytes is None:           # CPU: 256 MiB; GPU: most of what the weights left free
-            kv_cache_bytes = (int(torch.cuda.mem_get_info(self.device)[0] * 0.8) if self.device.type == "cuda"
-                              else 256 << 20)
-        num_pages = kv_cache_bytes // (KVCache.bytes_per_token(cfg) * page_size)
+        kv_cache_bytes = kv_cache_bytes or (int(torch.cuda.mem_get_info(dev)[0] * 0.8) if cuda else 256 << 20)
+        num_pages = kv_cache_bytes // page                      # default pool: CPU 256 MiB, GPU 80% of what is free
         self.cache = KVCache(cfg, num_pages * page_size, self.device)
         self.free_pages = list(range(num_pages))
         self.max_context = min(max_context or cfg.max_seq_len, cfg.max_seq_len)
@@ -1201,16 +1327,20 @@ class LLM:
     def generate(self, prompts, max_new_tokens=256, temperature=0.0, top_p=1.0, seed=None, return_logits=False,
                  thinking=False, raw=False, on_tokens=None):
         """prompts: strings (chat-encoded as a user turn; raw=True: plain completion) or lists of token ids."""
-        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+        token_ids = lambda p: isinstance(p, (list, tuple)) and all(_is_num(t, True) for t in p)  # noqa: E731
+        if isinstance(prompts, str) or token_ids(prompts) and len(prompts) > 0:
             prompts = [prompts]
+        if not isinstance(prompts, (list, tuple)) or not all(isinstance(p, str) or token_ids(p) for p in prompts):
+            raise ValueError(f"prompts must be a string, a list of token ids, or a list of those (got {prompts!r:.80})")
+        given = dict(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, return_logits=return_logits,
+                     thinking=thinking, raw=raw, seed=0 if seed is None else seed)
+        for name, v in given.items():
+            check_arg(name, v, *self.SAMPLING.get(name, (bool,)))
+        if on_tokens is not None and not callable(on_tokens):
+            raise ValueError(f"on_tokens must be a function (got {on_tokens!r:.80})")
         if not prompts:
             return []
-        if max_new_tokens <= 0:
-            raise ValueError(f"max_new_tokens must be > 0 (got {max_new_tokens})")
-        if temperature < 0:
-            raise ValueError(f"temperature must be >= 0 (got {temperature})")
-        if not 0 < top_p <= 1:
-            raise ValueError(f"top_p must be in (0, 1] (got {top_p})")
+        temperature = max(temperature, 1e-5) if temperature > 0 else 0     # as the reference: no overflow in logits/T
         capacity = len(self.free_pages) * self.page_size
         seed = int.from_bytes(os.urandom(6), "little") if seed is None else seed
         reqs = []
@@ -1410,11 +1540,17 @@ def main(argv=None):
     try:
         prompts = list(args.prompt)
         if args.prompt_file:
-            with open(args.prompt_file) as f:
-                prompts += [line.rstrip("\n") for line in f if line.strip()]
+            try:
+                with open(args.prompt_file, encoding="utf-8") as f:
+                    prompts += [line.rstrip("\n") for line in f if line.strip()]
+            except UnicodeDecodeError as e:
+                raise ValueError(f"{args.prompt_file}: not UTF-8 text ({e.reason} at byte {e.start})") from None
         if not prompts:
             raise ValueError("give at least one --prompt or a --prompt-file")
-        llm = LLM(args.model, device=args.device, mtp=args.mtp, max_context=args.max_context, kernels=args.kernels)
+        for name, rule in LLM.SAMPLING.items():                # before any work: a model may take minutes to load
+            check_arg(name, getattr(args, name), *rule)
+        llm = LLM(args.model, device=args.device, mtp=args.mtp, max_context=args.max_context,
+                  kernels=args.kernels)
         stream = not args.json and len(prompts) == 1
         streamed, printed = [], [""]
 
@@ -1429,7 +1565,7 @@ def main(argv=None):
                                top_p=args.top_p, seed=args.seed, thinking=args.thinking, raw=args.raw,
                                on_tokens=on_tokens if stream else None)
     except (ValueError, OSError) as e:                         # bad input: one line, no traceback
-        print(f"error: {e}", file=sys.stderr)
+        print("error: " + str(e).replace("\n", " "), file=sys.stderr)
         return 1
     except KeyboardInterrupt:
         return 130

@@ -1006,3 +1006,341 @@ def test_speculative_sampling_follows_main_model_end_to_end(tiny_dir, monkeypatc
         assert stat < _chi2_crit(df), f"chi2 {stat:.1f} for df {df}"
     else:
         assert stat > _chi2_crit(df), f"the wrong verify row went undetected: chi2 {stat:.1f} for df {df}"
+
+
+# ------------------------------------------------------------------------------------------------------------
+# faults in a checkpoint or in user parameters: one clear line naming what is wrong, never a traceback
+# ------------------------------------------------------------------------------------------------------------
+def _cli_error(argv, capsys):
+    """Run the CLI in-process; it must exit non-zero with one `error: ...` line and no traceback."""
+    try:
+        rc = m.main(argv)
+    except SystemExit as e:
+        rc = e.code
+    err = capsys.readouterr().err.strip()
+    assert rc != 0 and err.startswith("error: ") and "\n" not in err and "Traceback" not in err, (rc, err)
+    return err
+
+
+def _damaged_copy(tiny_dir, tmp_path):
+    bad = str(tmp_path / "bad")
+    shutil.copytree(tiny_dir, bad)
+    with open(os.path.join(bad, "model.safetensors.index.json")) as f:
+        return bad, json.load(f)["weight_map"]
+
+
+def _rewrite_header(file, edit):
+    """Apply edit(header dict) to a shard's JSON header, keeping its data bytes."""
+    raw = open(file, "rb").read()
+    n = int.from_bytes(raw[:8], "little")
+    header = json.loads(raw[8:8 + n])
+    edit(header)
+    h = json.dumps(header).encode()
+    open(file, "wb").write(len(h).to_bytes(8, "little") + h + raw[8 + n:])
+
+
+SHARD_FAULTS = ["truncated", "empty", "header_length", "corrupt_header", "header_not_object", "wrong_length",
+                "overlap", "extra_bytes", "bad_dtype", "duplicate", "index_not_json", "index_no_weight_map",
+                "index_wrong_shard", "nan_bf16", "nan_fp8"]
+
+
+@pytest.mark.parametrize("fault", SHARD_FAULTS)
+def test_damaged_shard_is_one_clear_line(tiny_dir, tmp_path, fault, capsys):
+    """Every damaged shard or index gives one ValueError line naming the file (and the tensor where there is one),
+    before any weight is read (except nan / inf values, found while reading); the CLI prints it, exit code 1."""
+    from safetensors.torch import load_file, save_file
+    bad, weight_map = _damaged_copy(tiny_dir, tmp_path)
+    victim = "model.layers.1.self_attn.kv_b_proj.weight"
+    shard = weight_map[victim]
+    file = os.path.join(bad, shard)
+    raw = open(file, "rb").read()
+    n = int.from_bytes(raw[:8], "little")
+    other = next(f for f in sorted(set(weight_map.values())) if f != shard)
+    expect = [shard]
+    if fault == "truncated":
+        open(file, "wb").write(raw[:-1000])
+        expect += ["truncated", "ends past the end of the file"]
+    elif fault == "empty":
+        open(file, "wb").write(b"")
+        expect += ["not a safetensors file", "file size 0"]
+    elif fault == "header_length":
+        open(file, "wb").write((1 << 60).to_bytes(8, "little") + raw[8:])
+        expect += [f"header length {1 << 60}"]
+    elif fault == "corrupt_header":
+        open(file, "wb").write(raw[:8] + raw[8:20].replace(b'"', b"\xff") + raw[20:])
+        expect += ["corrupt safetensors header"]
+    elif fault == "header_not_object":
+        _rewrite_header(file, lambda h: h.update({victim: "F8_E4M3"}))
+        expect += [f"tensor {victim} has a corrupt header entry"]
+    elif fault == "wrong_length":
+        _rewrite_header(file, lambda h: h[victim]["shape"].__setitem__(0, h[victim]["shape"][0] - 1))
+        expect += [f"tensor {victim} has 65536 bytes, but F8_E4M3 [255, 256] is 65280"]
+    elif fault == "overlap":
+        _rewrite_header(file, lambda h: h[victim].update(data_offsets=[o - 8 for o in h[victim]["data_offsets"]]))
+        expect += [f"tensor {victim} starts at data byte", "overlap or gap"]
+    elif fault == "extra_bytes":
+        open(file, "ab").write(b"\0" * 8)
+        expect += ["8 bytes after the last tensor"]
+    elif fault == "bad_dtype":
+        _rewrite_header(file, lambda h: h[victim].update(dtype="F8_E9M9"))
+        expect += [f"tensor {victim} has a corrupt header entry", "F8_E9M9"]
+    elif fault == "duplicate":
+        tensors = load_file(os.path.join(bad, other))
+        tensors[victim] = load_file(file)[victim]
+        save_file(tensors, os.path.join(bad, other), metadata={"format": "pt"})
+        expect += [f"tensor {victim} is in both", other]
+    elif fault.startswith("index"):
+        index = os.path.join(bad, "model.safetensors.index.json")
+        doc = json.load(open(index))
+        if fault == "index_not_json":
+            open(index, "w").write(json.dumps(doc)[:-5])
+            expect = ["model.safetensors.index.json: not valid JSON"]
+        elif fault == "index_no_weight_map":
+            open(index, "w").write(json.dumps({"metadata": doc["metadata"]}))
+            expect = ["model.safetensors.index.json: expected a weight_map"]
+        else:
+            doc["weight_map"][victim] = other
+            open(index, "w").write(json.dumps(doc))
+            expect += [f"tensor {victim} is in {shard}, but the index says {other}"]
+    else:                                            # one nan in a bf16 tensor, or the fp8 nan code in an fp8 one
+        tensors = load_file(file)
+        name = victim if fault == "nan_fp8" else next(k for k, t in tensors.items() if t.dtype == torch.bfloat16)
+        flat = tensors[name].view(torch.uint8).flatten() if fault == "nan_fp8" else tensors[name].flatten()
+        flat[7] = 0x7F if fault == "nan_fp8" else float("nan")
+        save_file(tensors, file, metadata={"format": "pt"})
+        expect += [f"tensor {name} holds 1 nan or inf values"]
+    with pytest.raises(ValueError) as e:
+        m.load_model(bad)
+    assert all(x in str(e.value) for x in expect) and "\n" not in str(e.value), str(e.value)
+    err = _cli_error(["--model", bad, "--prompt", "hi"], capsys)
+    assert err == f"error: {e.value}"
+
+
+TOKENIZER_FAULTS = ["missing", "not_json", "not_a_tokenizer", "ids_beyond_vocab", "missing_special", "eos_id"]
+
+
+@pytest.mark.parametrize("fault", TOKENIZER_FAULTS)
+def test_damaged_tokenizer_is_one_clear_line(tiny_dir, tmp_path, fault, capsys, monkeypatch):
+    """A missing or corrupt tokenizer.json, one with ids the model does not have, one without the chat format's
+    special tokens, or one whose EOS is not the config's: refused by name before any weight is loaded."""
+    bad, _ = _damaged_copy(tiny_dir, tmp_path)
+    tok = os.path.join(bad, "tokenizer.json")
+    expect = ["tokenizer.json"]
+    if fault == "missing":
+        os.remove(tok)
+        expect += ["no tokenizer.json"]
+    elif fault == "not_json":
+        open(tok, "w").write(open(tok).read()[:1000])
+        expect += ["not a valid tokenizer"]
+    elif fault == "not_a_tokenizer":
+        open(tok, "w").write(json.dumps({"version": "1.0", "model": 5}))
+        expect += ["not a valid tokenizer"]
+    elif fault == "ids_beyond_vocab":
+        m.write_byte_tokenizer(bad, 300)
+        expect += ["has token id 299, but the model's vocab_size is 288"]
+    elif fault == "missing_special":                  # still in the vocab, but no longer one (special) token
+        doc = json.load(open(tok))
+        doc["added_tokens"] = [t for t in doc["added_tokens"] if t["content"] != m.USER]
+        open(tok, "w").write(json.dumps(doc))
+        expect += [f"the special token {m.USER} is missing"]
+    else:
+        cfg = json.load(open(os.path.join(bad, "config.json")))
+        cfg["eos_token_id"] = 2
+        open(os.path.join(bad, "config.json"), "w").write(json.dumps(cfg))
+        expect += [f"{m.EOS} is token 1, but config.json has eos_token_id 2"]
+    monkeypatch.setattr(m, "load_model", lambda *a, **k: pytest.fail("weights loaded before the tokenizer check"))
+    with pytest.raises(ValueError) as e:
+        m.LLM(bad, device="cpu")
+    assert all(x in str(e.value) for x in expect) and "\n" not in str(e.value), str(e.value)
+    assert _cli_error(["--model", bad, "--prompt", "hi"], capsys) == f"error: {e.value}"
+
+
+def test_real_tokenizer_passes_the_checks(tmp_path):
+    real = os.path.join(SHARED, "data", "deepseek-v3.2", "tokenizer.json")
+    if not os.path.isfile(real):
+        pytest.skip("the DeepSeek-V3.2 tokenizer is not in ../shared")
+    os.symlink(real, tmp_path / "tokenizer.json")
+    tok = m.load_tokenizer(str(tmp_path), m.Config.full())
+    assert tok.token_to_id(m.USER) == 128803
+    with pytest.raises(ValueError, match="has token id 128814, but the model's vocab_size is 128000"):
+        m.load_tokenizer(str(tmp_path), m.Config(**{**m.Config.full().__dict__, "vocab_size": 128000}))
+
+
+CONFIG_FAULTS = {           # case: (edit of the HF config dict, or raw file bytes; what the message must say)
+    "not_json": (b'{"model_type": "deepseek_v32",', "not valid JSON"),
+    "not_utf8": (b'{"model_type": "\xff"}', "not valid JSON"),
+    "not_object": (b"[1, 2]", "expected a JSON object, not list"),
+    "string_size": (dict(hidden_size="256"), "dim (hidden_size) must be an integer (got '256')"),
+    "float_layers": (dict(num_hidden_layers=3.0), "n_layers (num_hidden_layers) must be an integer (got 3.0)"),
+    "bool_groups": (dict(n_group=True), "n_expert_groups (n_group) must be an integer (got True)"),
+    "null_topk": (dict(index_topk=None), "index_topk must be an integer (got None)"),
+    "negative_experts": (dict(n_routed_experts=-8), "n_routed_experts must be >= 1 (got -8)"),
+    "zero_heads": (dict(num_attention_heads=0), "n_heads (num_attention_heads) must be >= 1 (got 0)"),
+    "zero_mtp_ok_negative_not": (dict(num_nextn_predict_layers=-1), "n_mtp_layers (num_nextn_predict_layers) must "
+                                                                     "be >= 0 (got -1)"),
+    "nan_eps": (dict(rms_norm_eps=float("nan")), "eps (rms_norm_eps) must be a finite number (got nan)"),
+    "negative_eps": (dict(rms_norm_eps=-1e-6), "eps (rms_norm_eps) must be > 0 (got -1e-06)"),
+    "string_scale": (dict(routed_scaling_factor="2.5"), "route_scale (routed_scaling_factor) must be a finite"),
+    "inf_rope_factor": ("rope_inf", "rope_factor (rope_scaling.factor) must be a finite number (got inf)"),
+    "rope_theta_one": (dict(rope_theta=1), "rope_theta must be > 1.0 (got 1)"),
+    "eos_beyond_vocab": (dict(eos_token_id=288), "bos/eos_token_id >= vocab_size"),
+    "not_multiple": (dict(hidden_size=200), "dim (hidden_size) must be a multiple of 128"),
+    "rope_not_object": (dict(rope_scaling="yarn"), "quantization_config and rope_scaling must be JSON objects"),
+    "quant_not_object": (dict(quantization_config=[]), "quantization_config and rope_scaling must be JSON objects"),
+    "architectures_int": (dict(model_type=None, architectures=5), "is not a DeepSeek-V3.2 config"),
+}
+
+
+@pytest.mark.parametrize("case", list(CONFIG_FAULTS))
+def test_broken_config_is_one_clear_line(tmp_path, case, capsys):
+    """config.json that is not JSON, or whose values are of the wrong type or impossible for the model: one line
+    naming the file and the field (its config.json name too), from the API and the CLI."""
+    edit, message = CONFIG_FAULTS[case]
+    path = tmp_path / "config.json"
+    if isinstance(edit, bytes):
+        path.write_bytes(edit)
+    else:
+        hf = m.Config.tiny().to_hf()
+        if edit == "rope_inf":
+            hf["rope_scaling"]["factor"] = float("inf")
+        else:
+            hf.update(edit)
+        path.write_text(json.dumps(hf))                   # json writes nan / inf as NaN / Infinity, as it reads them
+    with pytest.raises(ValueError) as e:
+        m.Config.from_json(str(tmp_path))
+    assert str(path) in str(e.value) and message in str(e.value) and "\n" not in str(e.value), str(e.value)
+    assert _cli_error(["--model", str(tmp_path), "--prompt", "hi"], capsys) == f"error: {e.value}"
+
+
+def test_config_class_refuses_wrong_types():
+    for kw, message in ((dict(dim=256.0), "dim (hidden_size) must be an integer"), (dict(n_layers=True), "got True"),
+                        (dict(mscale=float("inf")), "mscale (rope_scaling.mscale) must be a finite number"),
+                        (dict(beta_slow=0.0), "beta_slow (rope_scaling.beta_slow) must be > 0")):
+        with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)")):
+            m.Config.tiny(**kw)
+    assert m.Config.tiny(n_dense_layers=0, n_mtp_layers=0, mscale=-0.5).n_mtp_layers == 0    # these may be 0
+
+
+GENERATE_FAULTS = {         # case: (generate arguments, the message)
+    "temperature_nan": (dict(temperature=float("nan")), "temperature must be a finite number (got nan)"),
+    "temperature_inf": (dict(temperature=float("inf")), "temperature must be a finite number (got inf)"),
+    "temperature_str": (dict(temperature="0.5"), "temperature must be a finite number (got '0.5')"),
+    "temperature_none": (dict(temperature=None), "temperature must be a finite number (got None)"),
+    "temperature_negative": (dict(temperature=-0.1), "temperature must be >= 0 (got -0.1)"),
+    "top_p_nan": (dict(top_p=float("nan")), "top_p must be a finite number (got nan)"),
+    "top_p_inf": (dict(top_p=float("inf")), "top_p must be a finite number (got inf)"),
+    "top_p_str": (dict(top_p="0.9"), "top_p must be a finite number (got '0.9')"),
+    "top_p_zero": (dict(top_p=0.0), "top_p must be in (0, 1] (got 0.0)"),
+    "max_new_tokens_float": (dict(max_new_tokens=2.0), "max_new_tokens must be an integer (got 2.0)"),
+    "max_new_tokens_bool": (dict(max_new_tokens=True), "max_new_tokens must be an integer (got True)"),
+    "max_new_tokens_str": (dict(max_new_tokens="8"), "max_new_tokens must be an integer (got '8')"),
+    "max_new_tokens_none": (dict(max_new_tokens=None), "max_new_tokens must be an integer (got None)"),
+    "max_new_tokens_negative": (dict(max_new_tokens=-3), "max_new_tokens must be > 0 (got -3)"),
+    "seed_float": (dict(seed=1.5), "seed must be an integer (got 1.5)"),
+    "seed_zero_float": (dict(seed=0.0), "seed must be an integer (got 0.0)"),
+    "seed_str": (dict(seed="42"), "seed must be an integer (got '42')"),
+    "thinking_str": (dict(thinking="yes"), "thinking must be True or False (got 'yes')"),
+    "raw_int": (dict(raw=1), "raw must be True or False (got 1)"),
+    "return_logits_none": (dict(return_logits=None), "return_logits must be True or False (got None)"),
+    "on_tokens": (dict(on_tokens=5), "on_tokens must be a function (got 5)"),
+    "prompts_none": (dict(prompts=None), "prompts must be a string, a list of token ids, or a list of those"),
+    "prompts_int": (dict(prompts=5), "(got 5)"),
+    "prompt_str_id": (dict(prompts=[[1, "a"]]), "(got [[1, 'a']])"),
+    "prompt_float_id": (dict(prompts=[[1.5, 2]]), "(got [[1.5, 2]])"),
+    "prompt_bool_id": (dict(prompts=[[True, 2]]), "(got [[True, 2]])"),
+    "prompt_none": (dict(prompts=["hi", None]), "(got ['hi', None])"),
+    "prompt_nested": (dict(prompts=[[1, [2]]]), "(got [[1, [2]]])"),
+    "prompt_tensor": (dict(prompts=torch.tensor([1, 2])), "(got tensor([1, 2]))"),
+    "prompt_id_too_big": (dict(prompts=[[5, 288]]), "prompt 0 has token ids outside [0, 288)"),
+}
+
+
+@pytest.mark.parametrize("case", list(GENERATE_FAULTS))
+def test_bad_generate_arguments_are_refused(tiny_dir, case):
+    kw, message = GENERATE_FAULTS[case]
+    llm = make_llm(tiny_dir, 1)
+    kw = {"prompts": "hi", "max_new_tokens": 2, **kw}
+    with pytest.raises(ValueError) as e:
+        llm.generate(**kw)
+    assert message in str(e.value) and "\n" not in str(e.value), str(e.value)
+
+
+LLM_FAULTS = {              # case: (LLM arguments, the message)
+    "mtp_float": (dict(mtp=1.0), "mtp must be an integer (got 1.0)"),
+    "mtp_bool": (dict(mtp=True), "mtp must be an integer (got True)"),
+    "mtp_negative": (dict(mtp=-1), "mtp must be >= 0 (got -1)"),
+    "page_size_zero": (dict(page_size=0), "page_size must be >= 1 (got 0)"),
+    "page_size_float": (dict(page_size=16.0), "page_size must be an integer (got 16.0)"),
+    "max_batch_bool": (dict(max_batch=True), "max_batch must be an integer (got True)"),
+    "max_prefill_str": (dict(max_prefill_tokens="8"), "max_prefill_tokens must be an integer (got '8')"),
+    "kv_float": (dict(kv_cache_bytes=1.5e9), "kv_cache_bytes must be an integer (got 1500000000.0)"),
+    "kv_str": (dict(kv_cache_bytes="1G"), "kv_cache_bytes must be an integer (got '1G')"),
+    "kv_too_small": (dict(kv_cache_bytes=1000), "kv_cache_bytes=1000: less than one page of the KV pool"),
+    "kv_too_big": (dict(kv_cache_bytes=10 ** 18), "kv_cache_bytes=1000000000000000000: more than the"),
+    "max_context_zero": (dict(max_context=0), "max_context must be >= 1 (got 0)"),
+    "max_context_float": (dict(max_context=4096.0), "max_context must be an integer (got 4096.0)"),
+    "device_meta": (dict(device="meta"), "device 'meta': nano-nsa runs on cpu or cuda"),
+    "device_list": (dict(device=["cpu"]), "unknown device ['cpu']"),
+    "model_dir_int": (dict(model_dir=5), "model directory 5 does not exist"),
+    "model_dir_file": ("file", "does not exist (or is not a directory)"),
+}
+
+
+@pytest.mark.parametrize("case", list(LLM_FAULTS))
+def test_bad_llm_arguments_are_refused_before_loading(tiny_dir, tmp_path, case, monkeypatch):
+    kw, message = LLM_FAULTS[case]
+    if kw == "file":
+        (tmp_path / "f").write_text("")
+        kw = dict(model_dir=str(tmp_path / "f"))
+    monkeypatch.setattr(m, "load_model", lambda *a, **k: pytest.fail("weights loaded before the argument check"))
+    with pytest.raises(ValueError) as e:
+        m.LLM(**{"model_dir": tiny_dir, "device": "cpu", **kw})
+    assert message in str(e.value) and "\n" not in str(e.value), str(e.value)
+
+
+CLI_FAULTS = {              # case: (extra CLI arguments, the message)
+    "temperature_nan": (["--temperature", "nan"], "temperature must be a finite number (got nan)"),
+    "temperature_inf": (["--temperature", "inf"], "temperature must be a finite number (got inf)"),
+    "top_p_nan": (["--top-p", "nan"], "top_p must be a finite number (got nan)"),
+    "top_p_inf": (["--top-p", "inf"], "top_p must be a finite number (got inf)"),
+    "max_context_zero": (["--max-context", "0"], "max_context must be >= 1 (got 0)"),
+    "max_context_negative": (["--max-context", "-5"], "max_context must be >= 1 (got -5)"),
+    "mtp_negative": (["--mtp", "-1"], "mtp must be >= 0 (got -1)"),
+    "max_new_tokens_negative": (["--max-new-tokens", "-2"], "max_new_tokens must be > 0 (got -2)"),
+    "max_new_tokens_float": (["--max-new-tokens", "2.5"], "argument --max-new-tokens: invalid int value: '2.5'"),
+    "seed_float": (["--seed", "1.5"], "argument --seed: invalid int value: '1.5'"),
+    "temperature_word": (["--temperature", "hot"], "argument --temperature: invalid float value: 'hot'"),
+    "device_meta": (["--device", "meta"], "nano-nsa runs on cpu or cuda"),
+    "prompt_file_missing": (["--prompt-file", "nope.txt"], "No such file or directory: 'nope.txt'"),
+    "prompt_file_binary": (["--prompt-file", "bin"], "bin: not UTF-8 text (invalid start byte at byte 3)"),
+    "model_is_file": (["--model", "bin"], "model directory 'bin' does not exist (or is not a directory)"),
+}
+
+
+@pytest.mark.parametrize("case", list(CLI_FAULTS))
+def test_cli_bad_options_are_one_clear_line(tiny_dir, tmp_path, case, capsys, monkeypatch):
+    """Each refused before any weight is loaded."""
+    extra, message = CLI_FAULTS[case]
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(m, "load_model", lambda *a, **k: pytest.fail("weights loaded before the option check"))
+    (tmp_path / "bin").write_bytes(b"ok\n\xff\xfe\n")
+    err = _cli_error(["--model", tiny_dir, "--prompt", "hi", "--max-new-tokens", "2"] + extra, capsys)
+    assert message in err, err
+
+
+def test_tiny_temperature_samples_like_the_reference_floor(tiny_dir):
+    """logits / T overflows for a tiny T; as the reference, T is floored at 1e-5: no nan, the same draws."""
+    llm = make_llm(tiny_dir, 1)
+    a, b = (llm.generate(["hi", [7, 8, 9]], max_new_tokens=6, temperature=t, seed=3) for t in (1e-300, 1e-5))
+    assert [r.token_ids for r in a] == [r.token_ids for r in b] and all(len(r.token_ids) for r in a)
+
+
+@pytest.mark.parametrize("fault", ["truncated_shard", "corrupt_tokenizer"])
+def test_damaged_model_process_exit_is_one_line(tiny_dir, tmp_path, fault):
+    """As a user runs it: a separate process, exit code 1, one line on stderr, no traceback."""
+    bad, weight_map = _damaged_copy(tiny_dir, tmp_path)
+    file = os.path.join(bad, "tokenizer.json" if fault == "corrupt_tokenizer" else sorted(set(weight_map.values()))[0])
+    open(file, "wb").write(open(file, "rb").read()[:-50])
+    r = _cli(["--model", bad, "--prompt", "hi"], tmp_path)
+    assert r.returncode == 1 and r.stderr.count("\n") == 1 and "Traceback" not in r.stderr, r.stderr
+    assert r.stderr.startswith(f"error: {file}: ") and ("truncated" in r.stderr or "not a valid tokenizer" in r.stderr)
