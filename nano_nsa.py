@@ -1053,24 +1053,6 @@ def _share_mtp_copies(model):
     return model
 
 
-def random_model(cfg: Config, device, seed=0, kernels="auto") -> Transformer:
-    """A model with random weights generated on `device`, tensor by tensor, with the checkpoint writer's recipe and
-    FP8 quantization (not its values: the generator differs by device). For GPU benchmarks of full-width layers
-    that no checkpoint on disk holds; the loader itself is exercised by `load_model`."""
-    with torch.device("meta"):
-        model = Transformer(cfg)
-    model = model.to_empty(device=device).eval()
-    params = dict(model.named_parameters())
-    for name, (shape, kind) in checkpoint_tensors(cfg).items():
-        if kind != "scale":
-            w = random_weight(name, shape, kind, seed, device)
-            if kind == "fp8":
-                w, scale = quantize_weight(w)
-                params[ours_name(cfg, name + "_scale_inv")].copy_(scale)
-            params[ours_name(cfg, name)].copy_(w if kind == "fp8" else w.to(stored_dtype(name, kind)))
-    return _share_mtp_copies(model).bind(select_ops(kernels, device))
-
-
 # ============================================================================================================
 # Part 2: the engine
 # ============================================================================================================

@@ -212,8 +212,9 @@ def test_write_load_round_trip_exact(tiny_dir, model):
 
 
 def test_random_model_on_device_equals_written_checkpoint(tiny_dir, model):
-    """random_model (bench.py's GPU-side generator) follows the writer's recipe: on CPU it gives the same tensors."""
-    built = m.random_model(m.Config.tiny(), "cpu", seed=0)
+    """bench.random_model (its GPU-side generator) follows the writer's recipe: on CPU it gives the same tensors."""
+    import bench
+    built = bench.random_model(m.Config.tiny(), "cpu", seed=0)
     want = dict(model.named_parameters())
     for name, p in built.named_parameters():
         assert torch.equal(p.float(), want[name].float()), name
