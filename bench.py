@@ -30,8 +30,8 @@ def random_model(cfg: m.Config, device, seed=0, kernels="auto") -> m.Transformer
             w = m.random_weight(name, shape, kind, seed, device)
             if kind == "fp8":
                 w, scale = m.quantize_weight(w)
-                params[m.ours_name(cfg, name + "_scale_inv")].copy_(scale)
-            params[m.ours_name(cfg, name)].copy_(w if kind == "fp8" else w.to(m.stored_dtype(name, kind)))
+                m.load_target(params, cfg, name + "_scale_inv").copy_(scale)
+            m.load_target(params, cfg, name).copy_(w if kind == "fp8" else w.to(m.stored_dtype(name, kind)))
     return m._share_mtp_copies(model).bind(m.select_ops(kernels, device))
 
 

@@ -19,6 +19,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import shutil
 import sys
 import time
@@ -292,6 +293,23 @@ HF_TO_OURS = {"embed_tokens": "embed", "input_layernorm": "attn_norm", "post_att
 MTP_OWN = {"embed_tokens", "enorm", "hnorm", "eh_proj", "shared_head"}   # MTP-layer names outside its block
 
 
+EXPERT = re.compile(r"(.*\.experts)\.(\d+)\.(w[123])\.(weight|scale)$")
+
+
+def load_target(params, cfg: Config, hf_name: str) -> torch.Tensor:
+    """The model tensor a checkpoint tensor is loaded into: its parameter, or for a routed expert its slice of the
+    stacked weights (gate_proj -> w13[e, :I], up_proj -> w13[e, I:], down_proj -> w2[e])."""
+    key = ours_name(cfg, hf_name)
+    hit = EXPERT.match(key)
+    if not hit:
+        return params[key]
+    base, e, w, kind = hit.groups()
+    if w == "w2":
+        return params[f"{base}.w2.{kind}"][int(e)]
+    rows = cfg.moe_inter_dim // (BLOCK if kind == "scale" else 1)
+    return params[f"{base}.w13.{kind}"][int(e)].narrow(0, rows * (w == "w3"), rows)
+
+
 def ours_name(cfg: Config, hf_name: str) -> str:
     parts = hf_name.removeprefix("model.").split(".")
     if parts[0] == "layers" and int(parts[1]) >= cfg.n_layers:       # MTP layer: its decoder block is `block`
@@ -432,18 +450,28 @@ def _param(*shape, dtype):
     return nn.Parameter(torch.empty(*shape, dtype=dtype), requires_grad=False)   # inference only: no grads
 
 
+def dense_linear(x, w):
+    """x W^T for a plain (bf16 / fp32) weight, fp32 out; callers round if needed."""
+    acc = acc_dtype(x)
+    return F.linear(x.to(acc), w.to(acc)).float()
+
+
 class Linear(nn.Module):
-    """x W^T. fp8=True: float8_e4m3fn weight + float32 `scale` per 128x128 block; else a plain `dtype` weight."""
-    def __init__(self, in_features, out_features, fp8=True, dtype=BF16):
+    """x W^T. fp8=True: float8_e4m3fn weight + float32 `scale` per 128x128 block; else a plain `dtype` weight.
+    n: a stack of n such weights (the routed experts), [n, out, in]; the MoE kernel reads them, not forward."""
+    ops = None                   # bound once by Transformer.bind (fp8_linear / dense_linear)
+
+    def __init__(self, in_features, out_features, fp8=True, dtype=BF16, n=None):
         super().__init__()
-        self.weight = _param(out_features, in_features, dtype=FP8 if fp8 else dtype)
-        self.scale = _param(-(-out_features // BLOCK), -(-in_features // BLOCK), dtype=torch.float32) if fp8 else None
+        stack = [n] if n else []
+        self.weight = _param(*stack, out_features, in_features, dtype=FP8 if fp8 else dtype)
+        self.scale = _param(*stack, -(-out_features // BLOCK), -(-in_features // BLOCK), dtype=torch.float32) \
+            if fp8 else None
 
     def forward(self, x):
         if self.scale is not None:
-            return fp8_linear(x, self.weight, self.scale)
-        acc = acc_dtype(x)
-        return F.linear(x.to(acc), self.weight.to(acc)).float()             # fp32 out; callers round if needed
+            return self.ops.fp8_linear(x, self.weight, self.scale)
+        return self.ops.dense_linear(x, self.weight)
 
 
 class RMSNorm(nn.Module):
@@ -755,19 +783,34 @@ class Gate(nn.Module):
         return w / w.sum(-1, keepdim=True) * cfg.route_scale, idx
 
 
+def moe_experts(x, weights, idx, w13, s13, w2, s2):
+    """The routed experts of a MoE layer, summed with their routing weights in fp32: the reference of the grouped
+    MoE kernel. x [T, dim] bf16; weights, idx [T, A]; w13 [E, 2I, dim] (w1 | w3 fused), w2 [E, dim, I] FP8 with
+    their block scales -> [T, dim] fp32. Each expert used is one SwiGLU MLP over the tokens that chose it."""
+    y, inter = torch.zeros(x.shape, dtype=torch.float32, device=x.device), w2.shape[2]
+    for e in idx.unique().tolist():                                                   # expert order 0..E-1
+        tok, j = (idx == e).nonzero(as_tuple=True)
+        h = fp8_linear(x[tok], w13[e], s13[e])                                        # [n, 2I] bf16
+        h = (F.silu(h[:, :inter].float()) * h[:, inter:].float()).to(BF16)
+        y[tok] += fp8_linear(h, w2[e], s2[e]).float() * weights[tok, j, None]
+    return y
+
+
 class MoE(nn.Module):
+    ops = None                   # bound once by Transformer.bind
+
     def __init__(self, cfg: Config):
         super().__init__()
         self.gate = Gate(cfg)
-        self.experts = nn.ModuleList(MLP(cfg.dim, cfg.moe_inter_dim) for _ in range(cfg.n_routed_experts))
+        E, inter = cfg.n_routed_experts, cfg.moe_inter_dim
+        self.experts = nn.Module()   # stacked: w13 = w1 | w3 fused [E, 2I, dim]; w2 [E, dim, I] (see load_target)
+        self.experts.w13, self.experts.w2 = Linear(cfg.dim, 2 * inter, n=E), Linear(inter, cfg.dim, n=E)
         self.shared_experts = MLP(cfg.dim, cfg.moe_inter_dim * cfg.n_shared_experts)
 
     def forward(self, x):
         w, idx = self.gate(x)                                                              # [T, A] each
-        y = torch.zeros(x.shape, dtype=torch.float32, device=x.device)                    # fp32 accumulation
-        for e in idx.unique().tolist():                                                   # expert order 0..E-1
-            tok, j = (idx == e).nonzero(as_tuple=True)
-            y[tok] += self.experts[e](x[tok]).float() * w[tok, j, None]
+        ex = self.experts
+        y = self.ops.moe(x, w, idx, ex.w13.weight, ex.w13.scale, ex.w2.weight, ex.w2.scale)   # fp32 accumulation
         return (y + self.shared_experts(x).float()).to(BF16)
 
 
@@ -825,6 +868,9 @@ TORCH_OPS = SimpleNamespace(
     index_topk=index_topk,                # indexer scores + causal mask + top-k           (Indexer)
     sparse_mla=sparse_mla,                # absorbed sparse attention, one row per token  (MLA: decode/verify/long)
     dense_attention=dense_attention,      # causal per-head attention of short prompts     (MLA: prefill)
+    fp8_linear=fp8_linear,                # act-quant + block-scaled FP8 GEMM                (Linear)
+    dense_linear=dense_linear,            # bf16/fp32 weights: lm_head, weights_proj, eh_proj (Linear)
+    moe=moe_experts,                      # routed experts, grouped, weighted sum            (MoE)
     attn_dtype=acc_dtype)                 # dtype of wkv_b's absorbed halves (exact: pow2-scaled FP8 fits bf16)
 
 
@@ -1036,7 +1082,7 @@ def load_model(path, device="cpu", kernels="auto", cfg=None) -> Transformer:
             with safe_open(file, "pt", device="cpu") as f:
                 for name in f.keys():
                     t = f.get_tensor(name)
-                    p = params[ours_name(cfg, name)].copy_(t)
+                    p = load_target(params, cfg, name).copy_(t)
                     bad = (p.view(torch.uint8) & 0x7F == 0x7F) if p.dtype == FP8 else ~p.isfinite()  # e4m3fn nan
                     if bad.any():
                         raise ValueError(f"{file}: tensor {name} holds {int(bad.sum())} nan or inf values")

@@ -169,13 +169,18 @@ def test_full_checkpoint_names_and_shapes():
 
 def test_full_width_model_matches_checkpoint_table():
     """The module tree built for the 671B config (on the meta device: no memory) has exactly the checkpoint's
-    tensors under the name mapping, with the same shapes."""
+    tensors under the name mapping, with the same shapes; the routed experts' tensors fill their stacked
+    parameters (w1 | w3 -> w13, w2) exactly, element for element."""
     cfg = m.Config.full()
     with torch.device("meta"):
         model = m.Transformer(cfg)
-    params = {k: list(v.shape) for k, v in model.named_parameters()}
-    table = {m.ours_name(cfg, k): shape for k, (shape, kind) in m.checkpoint_tensors(cfg).items()}
-    assert params == table
+    params = dict(model.named_parameters())
+    filled = dict.fromkeys(params, 0)
+    for k, (shape, kind) in m.checkpoint_tensors(cfg).items():
+        assert list(m.load_target(params, cfg, k).shape) == shape, k
+        owner = m.EXPERT.sub(lambda h: f"{h[1]}.{'w2' if h[3] == 'w2' else 'w13'}.{h[4]}", m.ours_name(cfg, k))
+        filled[owner] += math.prod(shape)
+    assert filled == {k: p.numel() for k, p in params.items()}
 
 
 def test_random_checkpoint_activations_stay_realistic(model):
@@ -201,7 +206,7 @@ def test_write_load_round_trip_exact(tiny_dir, model):
     for file in files:
         for name, t in load_file(os.path.join(tiny_dir, file)).items():
             assert index["weight_map"][name] == file
-            p = params[m.ours_name(model.cfg, name)]
+            p = m.load_target(params, model.cfg, name)
             kind = expected[name][1]
             assert p.dtype == {"fp8": torch.float8_e4m3fn, "scale": torch.float32}.get(kind, p.dtype)
             assert torch.equal(p.float(), t.float()), name                    # bit-exact, upcasts are exact
@@ -256,7 +261,7 @@ def test_fp8_block_dequant_matches_source(model):
     for name, (shape, kind) in m.checkpoint_tensors(cfg).items():
         if kind != "fp8" or ".experts." in name and ".experts.0." not in name:
             continue
-        w8, s = params[m.ours_name(cfg, name)], params[m.ours_name(cfg, name + "_scale_inv")]
+        w8, s = m.load_target(params, cfg, name), m.load_target(params, cfg, name + "_scale_inv")
         assert torch.equal(s, 2.0 ** torch.log2(s).round()), f"{name}: scales are not powers of two"
         src = m.random_weight(name, shape, kind, seed=0)
         deq = m.weight_dequant(w8, s)
@@ -505,7 +510,14 @@ def test_moe_routing_and_output_match_spec(model, monkeypatch):
     want_w = s.gather(1, idx) / s.gather(1, idx).sum(-1, keepdim=True) * cfg.route_scale
     assert torch.allclose(w.double(), want_w, rtol=1e-6)
     y = moe(x)
-    want_y = torch.stack([sum(moe.experts[int(e)](x[t:t + 1])[0].float() * w[t, j] for j, e in enumerate(idx[t]))
+    ex, inter = moe.experts, cfg.moe_inter_dim
+
+    def expert(e, v):           # one routed expert alone, from its w1 / w3 / w2 halves of the stacked weights
+        w13, s13 = ex.w13.weight[e], ex.w13.scale[e]
+        g = m.fp8_linear(v, w13[:inter], s13[:inter // 128]).float()
+        u = m.fp8_linear(v, w13[inter:], s13[inter // 128:]).float()
+        return m.fp8_linear((F.silu(g) * u).to(torch.bfloat16), ex.w2.weight[e], ex.w2.scale[e])
+    want_y = torch.stack([sum(expert(int(e), x[t:t + 1])[0].float() * w[t, j] for j, e in enumerate(idx[t]))
                           + moe.shared_experts(x[t:t + 1])[0].float() for t in range(64)])
     assert_bf16_close(y, want_y, "MoE output")
 
