@@ -1,6 +1,7 @@
 """bench.py: nano-nsa measured on a GPU. Prints the device, a table per part, and one JSON line at the end.
 
   python bench.py attention      # kernel micro-benchmarks: indexer, sparse MLA rows, plan() cost, dense-vs-sparse
+  python bench.py fp8            # FP8 linears and the grouped MoE at decode shapes, vs the HBM roofline
   python bench.py long-prompt    # a 32K-token prompt on the full-width attention shapes: prefill, then MTP decode
 
 Random FP8 weights are generated on the GPU (random_model below); nothing is read from disk.
@@ -130,6 +131,49 @@ def attention(args, out):
     out["prefill_crossover"] = cross
 
 
+def hbm_bandwidth():
+    """Device-to-device copy of 2 GiB, counting bytes read and written: the ceiling the kernels are held to."""
+    a = torch.empty(1 << 31, dtype=torch.uint8, device="cuda")
+    b = torch.empty_like(a)
+    return 2 * a.numel() / cuda_time(lambda: b.copy_(a), 2, 10) / 1e9           # TB/s
+
+
+def fp8(args, out):
+    import kernels
+    bw = hbm_bandwidth()
+    gen = torch.Generator("cuda").manual_seed(0)
+
+    def weight(*shape):
+        w = torch.empty(*shape, dtype=m.FP8, device="cuda")
+        for i in range(0, shape[0], 16):
+            w[i:i + 16] = torch.randn(w[i:i + 16].shape, generator=gen, device="cuda").to(m.FP8)
+        return w, torch.full((*shape[:-2], -(-shape[-2] // 128), shape[-1] // 128), 2.0 ** -7, device="cuda")
+    rows = []
+    for name, (N, K) in dict(wq_a=(1536, 7168), wq_b=(24576, 1536), wkv_a=(576, 7168), wo=(7168, 16384),
+                             dense_w1=(18432, 7168), dense_w2=(7168, 18432), indexer_wk=(128, 7168)).items():
+        w, s = weight(N, K)
+        for M in (1, 4, 16, 64):
+            x = torch.randn(M, K, device="cuda").to(m.BF16)
+            t = cuda_time(lambda: kernels.fp8_linear(x, w, s))
+            t_ref = cuda_time(lambda: m.fp8_linear(x, w, s), 1, 5)
+            nbytes = N * K + 4 * s.numel() + 2 * M * (K + N)
+            rows.append((name, M, nbytes / 1e6, t * 1e3, nbytes / t / 1e9 / bw, t_ref / t))
+    w13, s13 = weight(256, 4096, 7168)
+    w2, s2 = weight(256, 7168, 2048)
+    for M in (1, 4, 16, 64):
+        idx = torch.rand(M, 256, generator=gen, device="cuda").topk(8, -1).indices
+        wts = torch.rand(M, 8, device="cuda")
+        x = torch.randn(M, 7168, device="cuda").to(m.BF16)
+        touched = idx.unique().numel()
+        t = cuda_time(lambda: kernels.moe(x, wts, idx, w13, s13, w2, s2))
+        t_ref = cuda_time(lambda: m.moe_experts(x, wts, idx, w13, s13, w2, s2), 1, 3)
+        nbytes = touched * (w13[0].numel() + w2[0].numel() + 4 * (s13[0].numel() + s2[0].numel()))
+        rows.append((f"moe ({touched} experts)", M, nbytes / 1e6, t * 1e3, nbytes / t / 1e9 / bw, t_ref / t))
+    table(f"FP8 kernels (HBM copy bandwidth measured now: {bw:.2f} TB/s)",
+          ["kernel", "M", "MB read", "us", "fraction of HBM bw", "speedup vs torch reference"], rows)
+    out["hbm_TBps"], out["fp8"] = bw, rows
+
+
 def long_prompt(args, out):
     cfg = m.Config.full(n_layers=args.layers)
     t0 = time.perf_counter()
@@ -163,7 +207,7 @@ def long_prompt(args, out):
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("what", choices=["attention", "long-prompt"], nargs="+")
+    ap.add_argument("what", choices=["attention", "fp8", "long-prompt"], nargs="+")
     ap.add_argument("--context", type=int, default=32768)
     ap.add_argument("--layers", type=int, default=3)
     ap.add_argument("--new-tokens", type=int, default=32)
@@ -176,7 +220,7 @@ def main():
     out = dict(device=torch.cuda.get_device_name(), date=time.strftime("%Y-%m-%d"), torch=torch.__version__)
     print(f"device: {out['device']}, torch {out['torch']}, {out['date']}")
     for what in args.what:
-        dict(attention=attention, **{"long-prompt": long_prompt})[what](args, out)
+        dict(attention=attention, fp8=fp8, **{"long-prompt": long_prompt})[what](args, out)
     print(json.dumps(out))
 
 

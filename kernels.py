@@ -8,6 +8,9 @@ set `nano_nsa.select_ops` binds on a GPU that `unsupported()` accepts.
   index_topk      lightning indexer: Triton FP8 scores over the paged key cache + causal mask + top-k
   sparse_mla      absorbed sparse MLA rows: flashinfer FA3 (Hopper) / trtllm-gen (Blackwell, unverified here)
   dense_attention causal per-head attention of short prompt chunks (torch SDPA)
+  fp8_linear      Triton act-quant (1x128, pow2 scales) + Triton block-scaled FP8 GEMM (split-K at decode)
+  moe             routed experts: GPU-side sort by expert, two grouped Triton FP8 GEMMs, weighted sum; no sync
+  dense_linear    bf16 weights with fp32 accumulation (lm_head, weights_proj, eh_proj)
 
 Triton and flashinfer are imported here only: nano_nsa imports this module on a CUDA device alone.
 """
@@ -171,14 +174,150 @@ def dense_attention(q, k, v, scale):
     return o[0].transpose(0, 1)
 
 
+# ------------------------------------------------------------------------------------------------------------
+# FP8: activation quantization, block-scaled GEMM, grouped MoE (spec 3, 6)
+# ------------------------------------------------------------------------------------------------------------
+@triton.jit
+def _act_quant_kernel(x_ptr, q_ptr, s_ptr, K: tl.constexpr, NG: tl.constexpr):
+    """One row: 1x128 groups, scale = the power of two >= amax / 448 (ue8m0), q = x / scale rounded to e4m3."""
+    row = tl.program_id(0).to(tl.int64)
+    g, c = tl.arange(0, NG), tl.arange(0, 128)
+    ok = g[:, None] < K // 128
+    x = tl.load(x_ptr + row * K + g[:, None] * 128 + c[None, :], mask=ok, other=0.0).to(tl.float32)
+    s = tl.maximum(tl.max(tl.abs(x), 1), 1e-4) * (1.0 / 448.0)
+    bits = s.to(tl.int32, bitcast=True)
+    bits = tl.where((bits & 0x7FFFFF) != 0, (bits >> 23) + 1 << 23, bits)         # round up to a power of two
+    s = bits.to(tl.float32, bitcast=True)
+    q = tl.clamp(x / s[:, None], -448.0, 448.0).to(tl.float8e4nv)
+    tl.store(q_ptr + row * K + g[:, None] * 128 + c[None, :], q, mask=ok)
+    tl.store(s_ptr + row * (K // 128) + g, s, mask=g < K // 128)
+
+
+def act_quant(x):
+    """Kernel of nano_nsa.act_quant (bit-exact): x [..., K] -> (q [..., K] e4m3, s [..., K/128] fp32)."""
+    K = x.shape[-1]
+    x2 = x.reshape(-1, K).contiguous()
+    q = torch.empty(x2.shape, dtype=torch.float8_e4m3fn, device=x.device)
+    s = torch.empty(x2.shape[0], K // 128, dtype=torch.float32, device=x.device)
+    if x2.shape[0]:
+        _act_quant_kernel[(x2.shape[0],)](x2, q, s, K=K, NG=triton.next_power_of_2(K // 128), num_warps=4)
+    return q.view(x.shape), s.view(*x.shape[:-1], K // 128)
+
+
+@triton.jit
+def _fp8_gemm_kernel(a_ptr, as_ptr, rows_ptr, b_ptr, bs_ptr, expert_ptr, c_ptr, M, N, K,
+                     GATHER: tl.constexpr, GROUPED: tl.constexpr, SPLIT_K: tl.constexpr,
+                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """C[m, n] = sum over 128-wide k blocks of (A8[m, kb] . B8[n, kb]) * sa[m, kb] * sb[n // 128, kb], fp32.
+    GATHER: row m of A is rows[m] (-1: a padding row). GROUPED: this block of M rows belongs to expert
+    experts[pid_m] (-1: none) and reads that expert's B. SPLIT_K > 1: k blocks split over programs, atomically
+    summed (small N at decode would otherwise leave most SMs idle)."""
+    pid_m, pid_n, pid_k = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    kc = tl.arange(0, 128)
+    KB = K // 128
+    valid_m = offs_m < M
+    rows = offs_m.to(tl.int64)
+    if GATHER:
+        rows = tl.load(rows_ptr + offs_m, mask=valid_m, other=-1).to(tl.int64)
+        valid_m = rows >= 0
+        rows = tl.maximum(rows, 0)
+    n_kb = KB
+    if GROUPED:
+        e = tl.load(expert_ptr + pid_m)
+        n_kb = tl.where(e >= 0, KB, 0)
+        e = tl.maximum(e, 0).to(tl.int64)
+        b_ptr += e * N * K
+        bs_ptr += e * ((N + 127) // 128) * KB
+    valid_n = offs_n < N
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for kb in range(pid_k, n_kb, SPLIT_K):
+        a = tl.load(a_ptr + rows[:, None] * K + kb * 128 + kc[None, :], mask=valid_m[:, None], other=0.0)
+        b = tl.load(b_ptr + offs_n[:, None].to(tl.int64) * K + kb * 128 + kc[None, :], mask=valid_n[:, None],
+                    other=0.0)
+        sa = tl.load(as_ptr + rows * KB + kb, mask=valid_m, other=0.0)
+        sb = tl.load(bs_ptr + (offs_n // 128) * KB + kb, mask=valid_n, other=0.0)
+        acc += tl.dot(a, tl.trans(b)) * sa[:, None] * sb[None, :]
+    c = c_ptr + offs_m[:, None].to(tl.int64) * N + offs_n[None, :]
+    mask = (offs_m < M)[:, None] & valid_n[None, :]
+    if SPLIT_K == 1:
+        tl.store(c, acc.to(c_ptr.dtype.element_ty), mask=mask)
+    else:
+        tl.atomic_add(c, acc, mask=mask)
+
+
+def _gemm(a, sa, b, sb, M, N, rows=None, experts=None, block_m=16):
+    """A8 [*, K] (rows picked by `rows` if given), B8 [N, K] or [E, N, K] (with `experts` per block of block_m
+    rows) -> C [M, N] bf16, fp32 accumulation of each 128-block product times its two scales."""
+    K = b.shape[-1]
+    grid_mn = triton.cdiv(M, block_m) * triton.cdiv(N, 64)
+    split = max(1, min(K // 128, 256 // grid_mn)) if experts is None else 1      # fill 132 SMs at decode
+    c = (torch.zeros if split > 1 else torch.empty)(M, N, device=a.device,
+                                                    dtype=torch.float32 if split > 1 else BF16)
+    _fp8_gemm_kernel[(triton.cdiv(M, block_m), triton.cdiv(N, 64), split)](
+        a, sa, rows, b, sb, experts, c, M, N, K, GATHER=rows is not None, GROUPED=experts is not None,
+        SPLIT_K=split, BLOCK_M=block_m, BLOCK_N=64, num_warps=4, num_stages=3)
+    return c.to(BF16)
+
+
+def fp8_linear(x, w, scale):
+    """Kernel of nano_nsa.fp8_linear: act_quant then the block-scaled FP8 GEMM, bf16 out."""
+    q, s = act_quant(x)
+    M = q.numel() // q.shape[-1]
+    y = _gemm(q.view(M, -1), s.view(M, -1), w, scale, M, w.shape[0], block_m=16 if M <= 16 else 64)
+    return y.view(*x.shape[:-1], w.shape[0])
+
+
+def moe(x, weights, idx, w13, s13, w2, s2):
+    """Kernel of nano_nsa.moe_experts, with no host synchronization: the (token, expert) pairs are sorted by
+    expert into blocks of block_m rows (each expert's rows padded to whole blocks, so a block reads one expert's
+    weights, and an expert with at most block_m rows reads its weights once); one grouped FP8 GEMM for w1|w3,
+    SiLU-and-multiply, act-quant, one grouped GEMM for w2, then the weighted sum back into token rows."""
+    T, A = idx.shape
+    E, I2, dim = w13.shape
+    P = T * A
+    bm = 16 if P <= 64 * 16 else 64
+    n_blocks = min(E, P) + triton.cdiv(P, bm)                 # an upper bound on the padded blocks, known on host
+    flat = idx.flatten()
+    order = flat.argsort(stable=True)
+    counts = torch.bincount(flat, minlength=E)
+    padded = (counts + bm - 1) // bm * bm
+    pad_end, cnt_end = padded.cumsum(0), counts.cumsum(0)
+    e_sorted = flat[order]
+    dest = pad_end[e_sorted] - padded[e_sorted] + torch.arange(P, device=x.device) - (cnt_end - counts)[e_sorted]
+    R = n_blocks * bm
+    token = torch.full((R,), -1, dtype=torch.int64, device=x.device).index_put_((dest,), order // A)
+    weight = torch.zeros(R, dtype=torch.float32, device=x.device).index_put_((dest,), weights.flatten()[order])
+    starts = torch.arange(n_blocks, device=x.device) * bm
+    experts = torch.searchsorted(pad_end, starts, right=True).to(torch.int32)
+    experts = torch.where(experts < E, experts, -1)
+    q, s = act_quant(x)
+    h = _gemm(q, s, w13, s13, R, I2, rows=token, experts=experts, block_m=bm)       # [R, 2I] bf16
+    h = (F.silu(h[:, :I2 // 2].float()) * h[:, I2 // 2:].float()).to(BF16)
+    q2, s2_ = act_quant(h)
+    o = _gemm(q2, s2_, w2, s2, R, dim, experts=experts, block_m=bm)                  # [R, dim] bf16
+    y = torch.zeros(T + 1, dim, dtype=torch.float32, device=x.device)               # row T: padding rows
+    y.index_add_(0, torch.where(token >= 0, token, T), o.float() * weight[:, None])
+    return y[:T]
+
+
+def dense_linear(x, w):
+    """Kernel of nano_nsa.dense_linear: bf16 weight (lm_head, weights_proj, eh_proj; exact copies of the
+    checkpoint's bf16), fp32 accumulation and output: half the bytes of the reference's fp32 upcast."""
+    x2 = x.reshape(-1, x.shape[-1]).to(BF16)
+    return torch.mm(x2, w.t(), out_dtype=torch.float32).view(*x.shape[:-1], w.shape[0])
+
+
 GPU_OPS = None                                 # filled in at the end of the file, once every kernel is defined
 
 
 def _gpu_ops():
     from types import SimpleNamespace
-    return SimpleNamespace(name="kernels.py (flashinfer sparse MLA, Triton indexer, SDPA prefill)", plan=plan,
-                           index_topk=index_topk, sparse_mla=sparse_mla, dense_attention=dense_attention,
-                           attn_dtype=lambda w: BF16)
+    return SimpleNamespace(name="kernels.py (flashinfer sparse MLA, Triton indexer / FP8 GEMM / MoE, SDPA prefill)",
+                           plan=plan, index_topk=index_topk, sparse_mla=sparse_mla, dense_attention=dense_attention,
+                           fp8_linear=fp8_linear, dense_linear=dense_linear, moe=moe,
+                           attn_dtype=lambda w: BF16, dense_dtype=lambda w: BF16)
 
 
 GPU_OPS = _gpu_ops()

@@ -871,7 +871,8 @@ TORCH_OPS = SimpleNamespace(
     fp8_linear=fp8_linear,                # act-quant + block-scaled FP8 GEMM                (Linear)
     dense_linear=dense_linear,            # bf16/fp32 weights: lm_head, weights_proj, eh_proj (Linear)
     moe=moe_experts,                      # routed experts, grouped, weighted sum            (MoE)
-    attn_dtype=acc_dtype)                 # dtype of wkv_b's absorbed halves (exact: pow2-scaled FP8 fits bf16)
+    attn_dtype=acc_dtype,                 # dtype of wkv_b's absorbed halves (exact: pow2-scaled FP8 fits bf16)
+    dense_dtype=lambda w: w.dtype)        # dtype plain Linear weights are kept in (kernels: bf16, as stored)
 
 
 class Transformer(nn.Module):
@@ -892,6 +893,8 @@ class Transformer(nn.Module):
         for mod in self.modules():
             if hasattr(type(mod), "ops"):
                 mod.ops = ops
+            if isinstance(mod, Linear) and mod.scale is None:     # lm_head etc.: bf16 in the checkpoint
+                mod.weight.data = mod.weight.data.to(ops.dense_dtype(mod.weight))
             if isinstance(mod, MLA):        # wkv_b dequantized once, split per head into W_UK | W_UV
                 w = weight_dequant(mod.wkv_b.weight, mod.wkv_b.scale).to(ops.attn_dtype(mod.wkv_b.weight))
                 mod.wkv_b_abs = w.view(cfg.n_heads, cfg.qk_nope_head_dim + cfg.v_head_dim, cfg.kv_lora_rank)
