@@ -2,12 +2,14 @@
 
   python bench.py attention      # kernel micro-benchmarks: indexer, sparse MLA rows, plan() cost, dense-vs-sparse
   python bench.py fp8            # FP8 linears and the grouped MoE at decode shapes, vs the HBM roofline
+  python bench.py checkpoint     # write + load the full-width 2-layer checkpoint (31 GB), prefill, MTP decode
   python bench.py long-prompt    # a 32K-token prompt on the full-width attention shapes: prefill, then MTP decode
 
 Random FP8 weights are generated on the GPU (random_model below); nothing is read from disk.
 """
 import argparse
 import json
+import os
 import statistics
 import sys
 import tempfile
@@ -34,6 +36,19 @@ def random_model(cfg: m.Config, device, seed=0, kernels="auto") -> m.Transformer
                 m.load_target(params, cfg, name + "_scale_inv").copy_(scale)
             m.load_target(params, cfg, name).copy_(w if kind == "fp8" else w.to(m.stored_dtype(name, kind)))
     return m._share_mtp_copies(model).bind(m.select_ops(kernels, device))
+
+
+def graph_time(fn, iters=20):
+    """Median milliseconds of fn() replayed from a CUDA graph: device time, with no Python launch overhead."""
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        fn()
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        fn()
+    return cuda_time(g.replay, 2, iters)
 
 
 def cuda_time(fn, warmup=3, iters=20):
@@ -154,10 +169,10 @@ def fp8(args, out):
         w, s = weight(N, K)
         for M in (1, 4, 16, 64):
             x = torch.randn(M, K, device="cuda").to(m.BF16)
-            t = cuda_time(lambda: kernels.fp8_linear(x, w, s))
+            t, te = graph_time(lambda: kernels.fp8_linear(x, w, s)), cuda_time(lambda: kernels.fp8_linear(x, w, s))
             t_ref = cuda_time(lambda: m.fp8_linear(x, w, s), 1, 5)
             nbytes = N * K + 4 * s.numel() + 2 * M * (K + N)
-            rows.append((name, M, nbytes / 1e6, t * 1e3, nbytes / t / 1e9 / bw, t_ref / t))
+            rows.append((name, M, nbytes / 1e6, t * 1e3, te * 1e3, nbytes / t / 1e9 / bw, t_ref / te))
     w13, s13 = weight(256, 4096, 7168)
     w2, s2 = weight(256, 7168, 2048)
     for M in (1, 4, 16, 64):
@@ -165,13 +180,48 @@ def fp8(args, out):
         wts = torch.rand(M, 8, device="cuda")
         x = torch.randn(M, 7168, device="cuda").to(m.BF16)
         touched = idx.unique().numel()
-        t = cuda_time(lambda: kernels.moe(x, wts, idx, w13, s13, w2, s2))
+        t = graph_time(lambda: kernels.moe(x, wts, idx, w13, s13, w2, s2))
+        te = cuda_time(lambda: kernels.moe(x, wts, idx, w13, s13, w2, s2))
         t_ref = cuda_time(lambda: m.moe_experts(x, wts, idx, w13, s13, w2, s2), 1, 3)
         nbytes = touched * (w13[0].numel() + w2[0].numel() + 4 * (s13[0].numel() + s2[0].numel()))
-        rows.append((f"moe ({touched} experts)", M, nbytes / 1e6, t * 1e3, nbytes / t / 1e9 / bw, t_ref / t))
+        rows.append((f"moe ({touched} experts)", M, nbytes / 1e6, t * 1e3, te * 1e3, nbytes / t / 1e9 / bw, t_ref / te))
     table(f"FP8 kernels (HBM copy bandwidth measured now: {bw:.2f} TB/s)",
-          ["kernel", "M", "MB read", "us", "fraction of HBM bw", "speedup vs torch reference"], rows)
+          ["kernel", "M", "MB read", "us (CUDA graph)", "us (eager)", "fraction of HBM bw (graph)",
+           "eager speedup vs torch reference"], rows)
     out["hbm_TBps"], out["fp8"] = bw, rows
+
+
+def checkpoint(args, out):
+    """The full-width checkpoint through the real writer and loader: write Config.full(n_layers=2) (1 dense + 1 MoE
+    layer with 256 experts, + the MTP layer) to disk, load it to the GPU, prefill a prompt and decode with MTP."""
+    import shutil
+    cfg, path = m.Config.full(n_layers=2), "/tmp/nano-nsa-full2"
+    t0 = time.perf_counter()
+    m.save_random_checkpoint(path, cfg, device="cuda")
+    t_write = time.perf_counter() - t0
+    gb = sum(os.path.getsize(os.path.join(path, f)) for f in os.listdir(path)) / 1e9
+    res = []
+    for mtp in (1, 3):
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+        t0 = time.perf_counter()
+        llm = m.LLM(path, device="cuda", mtp=mtp, kv_cache_bytes=4 << 30)
+        torch.cuda.synchronize()
+        t_load = time.perf_counter() - t0
+        ids = torch.randint(6, cfg.vocab_size, (args.prompt,), generator=torch.Generator().manual_seed(1)).tolist()
+        stamps = []
+        t0 = time.perf_counter()
+        r = llm.generate([ids], max_new_tokens=args.new_tokens,
+                         on_tokens=lambda i, t: stamps.append(time.perf_counter()))
+        t_end = time.perf_counter()
+        res.append(dict(mtp=mtp, write_s=t_write, GB=gb, load_s=t_load, prefill_s=stamps[0] - t0,
+                        decode_tok_s=(len(r.token_ids) - 1) / (t_end - stamps[0]),
+                        peak_gib=torch.cuda.max_memory_allocated() / 2**30))
+        del llm
+    shutil.rmtree(path)
+    table(f"Full-width 2-layer checkpoint through the writer and loader ({args.prompt}-token prompt)",
+          list(res[0]), [tuple(r.values()) for r in res])
+    out["checkpoint"] = res
 
 
 def long_prompt(args, out):
@@ -207,7 +257,8 @@ def long_prompt(args, out):
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("what", choices=["attention", "fp8", "long-prompt"], nargs="+")
+    ap.add_argument("what", choices=["attention", "fp8", "checkpoint", "long-prompt"], nargs="+")
+    ap.add_argument("--prompt", type=int, default=1024)
     ap.add_argument("--context", type=int, default=32768)
     ap.add_argument("--layers", type=int, default=3)
     ap.add_argument("--new-tokens", type=int, default=32)
@@ -220,7 +271,7 @@ def main():
     out = dict(device=torch.cuda.get_device_name(), date=time.strftime("%Y-%m-%d"), torch=torch.__version__)
     print(f"device: {out['device']}, torch {out['torch']}, {out['date']}")
     for what in args.what:
-        dict(attention=attention, fp8=fp8, **{"long-prompt": long_prompt})[what](args, out)
+        dict(attention=attention, fp8=fp8, checkpoint=checkpoint, **{"long-prompt": long_prompt})[what](args, out)
     print(json.dumps(out))
 
 

@@ -359,9 +359,12 @@ def stored_dtype(name, kind):
     return torch.float32 if kind == "f32" or ".k_norm." in name else BF16
 
 
-def save_random_checkpoint(path, config: Config, seed: int = 0, shard_bytes: int = 4 << 30, tokenizer=True):
+def save_random_checkpoint(path, config: Config, seed: int = 0, shard_bytes: int = 4 << 30, tokenizer=True,
+                           device="cpu"):
     """Write a random-weight DeepSeek-V3.2 checkpoint in exactly the official HF layout (config.json with
-    quantization_config, sharded safetensors + index json, FP8 weights with pow2 128x128 block scales)."""
+    quantization_config, sharded safetensors + index json, FP8 weights with pow2 128x128 block scales).
+    device: where values are drawn and quantized ('cuda' writes a full-width checkpoint in a minute; the values
+    differ from the CPU's, the format does not)."""
     from safetensors.torch import save_file
     from tqdm import tqdm
     os.makedirs(path, exist_ok=True)
@@ -382,13 +385,13 @@ def save_random_checkpoint(path, config: Config, seed: int = 0, shard_bytes: int
 
     spec = {k: v for k, v in checkpoint_tensors(config).items() if v[1] != "scale"}
     for name, (shape, kind) in tqdm(spec.items(), desc="writing checkpoint", unit="tensor", leave=False):
-        w = random_weight(name, shape, kind, seed)
+        w = random_weight(name, shape, kind, seed, device)
         if kind == "fp8":
             q, s = quantize_weight(w)
-            cur.update({name: q.contiguous(), name + "_scale_inv": s.contiguous()})
+            cur.update({name: q.cpu().contiguous(), name + "_scale_inv": s.cpu().contiguous()})
             total += q.numel() + 4 * s.numel()
         else:
-            cur[name] = w.to(stored_dtype(name, kind)).contiguous()
+            cur[name] = w.to(stored_dtype(name, kind)).cpu().contiguous()
             total += cur[name].numel() * cur[name].element_size()
         if sum(t.numel() * t.element_size() for t in cur.values()) >= shard_bytes:
             flush()
