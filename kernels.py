@@ -281,7 +281,7 @@ def moe(x, weights, idx, w13, s13, w2, s2):
     n_blocks = min(E, P) + triton.cdiv(P, bm)                 # an upper bound on the padded blocks, known on host
     flat = idx.flatten()
     order = flat.argsort(stable=True)
-    counts = torch.bincount(flat, minlength=E)
+    counts = torch.zeros(E, dtype=torch.int64, device=x.device).index_add_(0, flat, torch.ones_like(flat))  # no sync
     padded = (counts + bm - 1) // bm * bm
     pad_end, cnt_end = padded.cumsum(0), counts.cumsum(0)
     e_sorted = flat[order]
