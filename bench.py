@@ -212,7 +212,7 @@ def checkpoint(args, out):
         stamps = []
         t0 = time.perf_counter()
         r = llm.generate([ids], max_new_tokens=args.new_tokens,
-                         on_tokens=lambda i, t: stamps.append(time.perf_counter()))
+                         on_tokens=lambda i, t: stamps.append(time.perf_counter()))[0]
         t_end = time.perf_counter()
         res.append(dict(mtp=mtp, write_s=t_write, GB=gb, load_s=t_load, prefill_s=stamps[0] - t0,
                         decode_tok_s=(len(r.token_ids) - 1) / (t_end - stamps[0]),
