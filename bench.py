@@ -163,7 +163,7 @@ def fp8(args, out):
         for i in range(0, shape[0], 16):
             w[i:i + 16] = torch.randn(w[i:i + 16].shape, generator=gen, device="cuda").to(m.FP8)
         return w, torch.full((*shape[:-2], -(-shape[-2] // 128), shape[-1] // 128), 2.0 ** -7, device="cuda")
-    rows = []
+    rows, sm_rows = [], []
     for name, (N, K) in dict(wq_a=(1536, 7168), wq_b=(24576, 1536), wkv_a=(576, 7168), wo=(7168, 16384),
                              dense_w1=(18432, 7168), dense_w2=(7168, 18432), indexer_wk=(128, 7168)).items():
         w, s = weight(N, K)
@@ -173,6 +173,7 @@ def fp8(args, out):
             t_ref = cuda_time(lambda: m.fp8_linear(x, w, s), 1, 5)
             nbytes = N * K + 4 * s.numel() + 2 * M * (K + N)
             rows.append((name, M, nbytes / 1e6, t * 1e3, te * 1e3, nbytes / t / 1e9 / bw, t_ref / te))
+            sm_rows.append((name, M, t * 1e3) + scaled_mm_time(x, w, s, t))
     w13, s13 = weight(256, 4096, 7168)
     w2, s2 = weight(256, 7168, 2048)
     for M in (1, 4, 16, 64):
@@ -185,10 +186,37 @@ def fp8(args, out):
         t_ref = cuda_time(lambda: m.moe_experts(x, wts, idx, w13, s13, w2, s2), 1, 3)
         nbytes = touched * (w13[0].numel() + w2[0].numel() + 4 * (s13[0].numel() + s2[0].numel()))
         rows.append((f"moe ({touched} experts)", M, nbytes / 1e6, t * 1e3, te * 1e3, nbytes / t / 1e9 / bw, t_ref / te))
+    table("torch blockwise scaled_mm (act-quant by the Triton kernel, scales in column-major) vs the Triton GEMM",
+          ["kernel", "M", "Triton us (graph)", "scaled_mm us (graph)", "Triton speedup", "scaled_mm rel err / note"],
+          sm_rows)
     table(f"FP8 kernels (HBM copy bandwidth measured now: {bw:.2f} TB/s)",
           ["kernel", "M", "MB read", "us (CUDA graph)", "us (eager)", "fraction of HBM bw (graph)",
            "eager speedup vs torch reference"], rows)
     out["hbm_TBps"], out["fp8"] = bw, rows
+
+
+def scaled_mm_time(x, w, s, t_triton):
+    """torch.nn.functional.scaled_mm with 1x128 / 128x128 block scales, the alternative to the Triton GEMM."""
+    import kernels
+    from torch.nn.functional import ScalingType, scaled_mm
+    q, qs = kernels.act_quant(x)
+    pad = -q.shape[0] % 16                                       # cuBLAS wants M in multiples of 16 here
+    q, qs = torch.nn.functional.pad(q.view(torch.uint8), (0, 0, 0, pad)).view(m.FP8), \
+        torch.nn.functional.pad(qs, (0, 0, 0, pad), value=1.0)
+    err = None
+    for sb in (s, s.t(), s.t().contiguous(), s.t().contiguous().t()):     # the layout cuBLAS accepts, first found
+        fn = lambda: scaled_mm(q, w.t(), qs.t().contiguous().t(), ScalingType.BlockWise1x128,  # noqa: E731
+                               sb, ScalingType.BlockWise128x128, output_dtype=m.BF16)
+        try:
+            y = fn()[:x.shape[0]].float()
+            break
+        except Exception as e:                                   # report, do not hide
+            err = " ".join(str(e).split())[:90]
+    else:
+        return (float("nan"), float("nan"), err)
+    ref = m.fp8_linear(x, w, s).float()
+    t = graph_time(fn)
+    return (t * 1e3, t / t_triton, f"{((y - ref).norm() / ref.norm()).item():.1e}")
 
 
 def checkpoint(args, out):
