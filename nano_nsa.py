@@ -569,6 +569,7 @@ class Meta:
     ctx_lens: torch.Tensor       # [T] causal length of each row = position + 1
     cu_seqlens: list             # [B + 1] host: row offsets of each request
     ctx_host: torch.Tensor       # [T] ctx_lens on the host (the kernels' schedule is planned from it)
+    max_ctx: int                 # the longest row context (host)
     plan: object = None          # the attention kernel's plan for these rows (ops.plan), made once per step
 
     @classmethod
@@ -579,11 +580,7 @@ class Meta:
         row_req = torch.repeat_interleave(torch.arange(len(lens)), torch.tensor(lens)).to(dev)
         cu = list(accumulate(lens, initial=0))
         pos = positions.to(dev)
-        return cls(mode, pos, table[row_req, pos], row_req, table, pos + 1, cu, positions + 1)
-
-    @property
-    def max_ctx(self):
-        return int(self.ctx_host.max())
+        return cls(mode, pos, table[row_req, pos], row_req, table, pos + 1, cu, positions + 1, int(positions.max()) + 1)
 
     def dense(self, index_topk):
         """True for prompt chunks whose whole context fits in top-k: DSA selects every position, so attention
