@@ -932,14 +932,6 @@ class KVCache:
         self.ik = torch.zeros(L, num_slots, cfg.index_head_dim, dtype=FP8, device=device)
         self.iks = torch.zeros(L, num_slots, dtype=torch.float32, device=device)
 
-    @property
-    def kv(self):
-        return self.latent[..., :self.C]
-
-    @property
-    def pe(self):
-        return self.latent[..., self.C:]
-
     @staticmethod
     def bytes_per_token(cfg: Config):
         return (cfg.n_layers + cfg.n_mtp_layers) * (2 * (cfg.kv_lora_rank + cfg.qk_rope_head_dim)

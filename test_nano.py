@@ -299,7 +299,7 @@ def test_cached_latent_is_fp8_round_tripped(model):
     got, _, meta, cache = prefill_capturing(model, 40, 1, {"x": (attn, "input")})
     x = got["x"][0]
     kv = attn.kv_norm(attn.wkv_a(x)[:, :model.cfg.kv_lora_rank])
-    cached = cache.kv[1][meta.slots]
+    cached = cache.layer(1).kv[meta.slots]
     assert torch.equal(cached.double(), fake_quant_ref(kv))
     assert not torch.equal(cached, kv), "the latent was cached without the FP8 round trip"
 
@@ -369,7 +369,7 @@ def test_absorbed_decode_equals_naive_per_head_mla(model):
     for t in range(len(extra)):
         allowed[t, sel[t][sel[t] >= 0]] = True
     assert allowed.sum(1).tolist() == [model.cfg.index_topk] * 3          # 51..53 context, top-32 each
-    want = naive_mla(attn, x, meta.positions, cache.kv[1][ctx], cache.pe[1][ctx], allowed)
+    want = naive_mla(attn, x, meta.positions, cache.layer(1).kv[ctx], cache.layer(1).pe[ctx], allowed)
     assert_bf16_close(o, want, "absorbed vs per-head")
 
 
@@ -378,7 +378,8 @@ def test_sparse_with_topk_covering_context_equals_dense(model, monkeypatch):
     attn = model.layers[2].attn
     got, _, meta, cache = prefill_capturing(model, 70, 6, {"x": (attn, "input"), "o": (attn.wo, "input")})
     causal = torch.ones(70, 70, dtype=torch.bool).tril()
-    want = naive_mla(attn, got["x"][0], meta.positions, cache.kv[2][meta.slots], cache.pe[2][meta.slots], causal)
+    c = cache.layer(2)
+    want = naive_mla(attn, got["x"][0], meta.positions, c.kv[meta.slots], c.pe[meta.slots], causal)
     assert_bf16_close(got["o"][0], want, "sparse (top-k covers all) vs dense causal")
 
 
@@ -418,7 +419,7 @@ def test_indexer_selects_true_topk_and_attention_is_masked_dense(model):
     for s in range(S):
         allowed[s, sel[s][sel[s] >= 0]] = True
     assert not torch.equal(allowed, causal)
-    want = naive_mla(attn, x, meta.positions, cache.kv[1][meta.slots], cache.pe[1][meta.slots], allowed)
+    want = naive_mla(attn, x, meta.positions, cache.layer(1).kv[meta.slots], cache.layer(1).pe[meta.slots], allowed)
     assert_bf16_close(got["o"][0], want, "sparse attention vs dense masked to the selection")
 
 
@@ -458,7 +459,8 @@ def test_two_prefill_chunks_equal_one(model):
                              m.Meta.build("prefill", cut, [70 - 37, 41 - 10], table), c2))
     want = torch.cat([one[37:70], one[70 + 10:]])
     assert (two - want).abs().max() <= 1e-4 * want.abs().max()
-    assert torch.equal(c1.kv, c2.kv) and torch.equal(c1.ik.float(), c2.ik.float())
+    C = cfg.kv_lora_rank
+    assert torch.equal(c1.latent[..., :C], c2.latent[..., :C]) and torch.equal(c1.ik.float(), c2.ik.float())
 
 
 def test_mtp_layer_matches_spec(model):
@@ -743,7 +745,7 @@ def test_mtp_drafts_match_recomputed_mtp(tiny_dir, monkeypatch):
                 continue
             assert d[0] == int(d1_ref[L - 1]), f"prompt {i}: first draft at L={L}"
             c2 = m.KVCache(cfg, 256)
-            c2.kv[:], c2.pe[:], c2.ik[:], c2.iks[:] = cache.kv, cache.pe, cache.ik, cache.iks
+            c2.latent[:], c2.ik[:], c2.iks[:] = cache.latent, cache.ik, cache.iks
             step = model.mtp_forward(torch.tensor([d[0]]), hm[L - 1:L], m.Meta.build("decode", [L], [1], table), c2)
             assert d[1] == int(model.mtp[0].logits(step).argmax()), f"prompt {i}: second draft at L={L}"
             checked += 1
