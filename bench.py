@@ -14,6 +14,7 @@ import statistics
 import sys
 import tempfile
 import time
+from types import SimpleNamespace
 
 import torch
 
@@ -283,9 +284,187 @@ def long_prompt(args, out):
     out["long_prompt"] = res
 
 
+def decode_batch(llm, bs, ctx, rounds, seed=0):
+    """bs requests in the decode phase with ctx positions already in the KV cache (the cache holds random values:
+    a step's cost does not depend on them), so a step at 64 x 32K context is measured without 2M tokens of prefill."""
+    g = torch.Generator().manual_seed(seed)
+    llm.waiting, llm.running, llm.on_tokens, llm.return_logits, llm.preemptions = [], [], None, False, 0
+    for i in range(bs):
+        ids = torch.randint(6, llm.cfg.vocab_size, (ctx + 1,), generator=g).tolist()
+        r = m.Request(i, ids, ctx + 1, 1 << 30, 0.0, 1.0, torch.Generator(llm.device), ctx + 1, num_cached=ctx)
+        assert llm._reserve(r, ctx + (rounds + 3) * (2 * llm.k + 1)), "KV pool too small for the benchmark"
+        r.draft = torch.randint(6, llm.cfg.vocab_size, (llm.k,), device=llm.device)
+        llm.running.append(r)
+    return list(llm.running)
+
+
+def time_rounds(llm, bs, ctx, rounds=12):
+    """Wall-clock ms per decode round (each round ends with its one read-back) and tokens emitted per round."""
+    reqs = decode_batch(llm, bs, ctx, rounds + 2)
+    for _ in range(2):                                       # warm-up (captures this context bound's graphs)
+        llm._decode_round(list(llm.running))
+    n0 = sum(len(r.tokens) for r in reqs)
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(rounds):
+        llm._decode_round(list(llm.running))
+    torch.cuda.synchronize()
+    ms = (time.perf_counter() - t0) / rounds * 1e3
+    for r in reqs:
+        llm._release(r)
+    return ms, (sum(len(r.tokens) for r in reqs) - n0) / rounds
+
+
+def nbytes(*mods):
+    return sum(t.numel() * t.element_size() for mod in mods for t in mod.parameters())
+
+
+def step_bytes(model, bs, rows, ctx, experts):
+    """Bytes a forward must read from HBM: every weight it uses once (routed experts: the distinct ones its tokens
+    chose, `experts` per MoE layer), and per request its KV: the top-k latent rows (576 bf16) and, beyond top-k,
+    the indexer keys of the whole context (128 FP8 + fp32 scale). -> bytes of model.layers."""
+    cfg, K = model.cfg, model.cfg.index_topk
+    kv = bs * (min(ctx + rows, K) * (cfg.kv_lora_rank + cfg.qk_rope_head_dim) * 2 +
+               (ctx + rows) * (cfg.index_head_dim + 4) * (ctx + rows > K))
+    total, moe = 0, iter(experts)
+    for layer in model.layers:
+        attn = layer.attn
+        total += nbytes(attn) - nbytes(attn.wkv_b) + attn.wkv_b_abs.numel() * 2 + kv
+        if isinstance(layer.ffn, m.MoE):
+            ex = layer.ffn.experts
+            total += nbytes(layer.ffn.gate, layer.ffn.shared_experts) + nbytes(ex) // cfg.n_routed_experts * next(moe)
+        else:
+            total += nbytes(layer.ffn)
+    return total
+
+
+def distinct_experts(model, fn):
+    """Run fn() eagerly and return the number of distinct routed experts of each MoE call, in order."""
+    seen, orig = [], m.MoE.forward
+
+    def forward(self, x):
+        seen.append(int(self.gate(x)[1].unique().numel()))
+        return orig(self, x)
+    m.MoE.forward = forward
+    try:
+        fn()
+    finally:
+        m.MoE.forward = orig
+    return seen
+
+
+def decode(args, out):
+    """Decode rounds on the full-width model (real layer shapes, all 256 experts, random FP8 weights built on the
+    GPU): tokens/s and round time at batch 1..64 and contexts 1K / 32K (128K at batch 1), MTP off and on, against
+    the memory-bandwidth roofline measured in the same run; CUDA graphs vs eager; verify rows vs a decode row;
+    metadata once per step vs per layer."""
+    import kernels
+    bw = hbm_bandwidth()
+    cfg = m.Config.full(n_layers=args.layers)
+    t0 = time.perf_counter()
+    model = random_model(cfg, "cuda")
+    t_build = time.perf_counter() - t0
+    tok_dir = tempfile.mkdtemp()
+    m.write_byte_tokenizer(tok_dir, cfg.vocab_size)
+    L = cfg.n_layers + cfg.n_mtp_layers
+    print(f"Config.full(n_layers={args.layers}) + MTP built in {t_build:.0f} s; HBM copy bandwidth {bw / 1e12:.2f} TB/s; "
+          f"KV {m.KVCache.bytes_per_token(cfg)} B/token", flush=True)
+    res, extra = [], {}
+    points = [(bs, ctx) for ctx in args.contexts for bs in args.batch if bs * ctx <= args.max_tokens]
+    points += [(1, c) for c in args.long]
+    for k in args.mtp:
+        torch.cuda.empty_cache()
+        kv = (max(bs * (ctx + 64 * (2 * k + 1)) for bs, ctx in points) + 4096) * m.KVCache.bytes_per_token(cfg)
+        t0 = time.perf_counter()
+        llm = m.LLM(tok_dir, device="cuda", mtp=k, model=model, kv_cache_bytes=kv, max_batch=max(args.batch))
+        t_capture = time.perf_counter() - t0
+        llm.cache.latent.normal_()
+        for ik in llm.cache.ik:                                # layer by layer: a few GB of fp32 at a time
+            ik.copy_((torch.randn(ik.shape, device="cuda") * 8).to(m.FP8))
+        llm.cache.iks.uniform_(0.5, 1.5)
+        llm.cfg.eos_token_id = -1                              # random tokens must not end a request
+        for bs, ctx in points:
+            ms, toks = time_rounds(llm, bs, ctx)
+            reqs = decode_batch(llm, bs, ctx, 2)
+            meta = llm._meta("verify", reqs, [ctx] * bs, k + 1)
+            tokens = torch.randint(6, cfg.vocab_size, (bs * (k + 1),), device="cuda")
+            h = model(tokens, meta, llm.cache)
+            seen = distinct_experts(model, lambda: model(tokens, meta, llm.cache))
+            layers_b, head_b = step_bytes(model, bs, k + 1, ctx, seen), nbytes(model.head)
+            mtp_b = 0
+            if k:                      # draft-extend (bs x (k+1) rows) + k-1 draft steps (bs rows): the MTP layer + head
+                d_meta = llm._meta("decode", reqs, [ctx + 1] * bs, 1)
+                ext = distinct_experts(model, lambda: model.mtp_forward(tokens, h, meta, llm.cache))
+                drf = distinct_experts(model, lambda: model.mtp_forward(tokens[:bs], h[:bs], d_meta, llm.cache))
+                mtp_layer = model.mtp[0]
+                mtp_b = (step_bytes(SimpleNamespace(cfg=cfg, layers=[mtp_layer.block]), bs, k + 1, ctx, ext) +
+                         (k - 1) * step_bytes(SimpleNamespace(cfg=cfg, layers=[mtp_layer.block]), bs, 1, ctx, drf)
+                         + k * (nbytes(mtp_layer.eh_proj) + head_b))
+            key = ("verify", next(b for b in llm.graphs.buckets["verify"] if b >= bs), llm.graphs.width(ctx + k + 1), 0)
+            llm._forward("verify", tokens, meta)               # plan + static buffers for this step, then replay alone
+            t_layers = cuda_time(llm.graphs.graphs[key][0].replay)
+            for r in reqs:
+                llm._release(r)
+            step_b = layers_b + head_b + mtp_b
+            row = dict(mtp=k, bs=bs, ctx=ctx, round_ms=ms, tok_per_round=toks, tok_s=toks / ms * 1e3, step_GB=step_b / 1e9, roofline=step_b / bw / (ms / 1e3),
+                       layers_ms=t_layers, layers_roofline=layers_b / bw / (t_layers / 1e3),
+                       experts=round(statistics.mean(seen), 1) if seen else 0)
+            res.append(row)
+            print(row, flush=True)
+        # CUDA graphs vs eager, bs=1 at the first context
+        graphs, llm.graphs = llm.graphs, None
+        eager_ms, _ = time_rounds(llm, 1, args.contexts[0], rounds=4)
+        llm.graphs = graphs
+        extra[f"eager_vs_graphs_mtp{k}"] = dict(eager_ms=eager_ms, graphs_ms=res[[r["mtp"] for r in res].index(k)]
+                                                ["round_ms"], capture_s=t_capture, graphs=len(graphs.graphs))
+        if k == max(args.mtp):
+            extra["metadata"] = metadata_cost(llm, cfg, k)
+        del llm, graphs
+    table(f"Decode rounds, Config.full(n_layers={args.layers}) + MTP layer, CUDA graphs; roofline = bytes the round "
+          f"must read / measured HBM bandwidth ({bw / 1e12:.2f} TB/s) / round time",
+          ["mtp", "bs", "ctx", "round ms", "tokens/round", "tokens/s", "GB/round", "roofline", "layers ms (graph)",
+           "layers roofline", "experts/MoE layer"], [tuple(r.values()) for r in res])
+    table("CUDA graphs vs eager (bs=1)", ["what", "eager ms", "graphs ms", "capture s", "graphs"],
+          [(k_, *v.values()) for k_, v in extra.items() if k_.startswith("eager")])
+    out["decode"], out["decode_extra"] = res, extra
+
+
+def metadata_cost(llm, cfg, k):
+    """Host + device time and kernel launches of one step's metadata (Meta.build + ops.plan), and what per-layer /
+    per-draft-step rebuilding would cost: the engine builds it once per step and shifts it for draft steps."""
+    from torch.profiler import profile, ProfilerActivity
+    res = {}
+    for bs in (1, 64):
+        reqs = decode_batch(llm, bs, 32768, 2)
+
+        def build(j=0):
+            meta = llm._meta("verify", reqs, [r.num_cached + j for r in reqs], k + 1)
+            meta.plan = llm.model.ops.plan(meta, cfg)
+            return meta
+        build()
+        t_build = host_time(lambda: build(int(time.perf_counter_ns() % 7) + 1), iters=10)   # new lengths: no reuse
+        base = build(1)
+        t_step = host_time(lambda: base.step(1), iters=10)
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            build(9)
+            torch.cuda.synchronize()
+        launches = sum(e.count for e in prof.key_averages() if e.device_type.name == "CUDA")
+        for r in reqs:
+            llm._release(r)
+        layers = cfg.n_layers + 1
+        once = 2 * t_build + max(k - 2, 0) * t_step      # verify (extend reuses it), first draft step, then shifts
+        per_layer = layers * t_build + (k - 1) * t_build
+        res[f"bs{bs}"] = dict(build_ms=t_build, shift_ms=t_step, kernels=launches, once_ms=once,
+                              per_layer_ms=per_layer, per_layer_61_ms=62 * t_build + (k - 1) * t_build)
+    table(f"Metadata per decode round (mtp={k}, 32K context): once per step vs per layer and per draft step",
+          ["bs", "build+plan ms", "shift ms", "kernels", "once/round ms", f"per layer ms ({cfg.n_layers}+1 layers)",
+           "per layer ms (61+1 layers)"], [(b, *v.values()) for b, v in res.items()])
+    return res
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("what", choices=["attention", "fp8", "checkpoint", "long-prompt"], nargs="+")
+    ap.add_argument("what", choices=["attention", "fp8", "checkpoint", "long-prompt", "decode"], nargs="+")
     ap.add_argument("--prompt", type=int, default=1024)
     ap.add_argument("--context", type=int, default=32768)
     ap.add_argument("--layers", type=int, default=3)
@@ -293,13 +472,18 @@ def main():
     ap.add_argument("--mtp", type=int, nargs="+", default=[1, 3])
     ap.add_argument("--kv-gib", type=int, default=8)
     ap.add_argument("--kernels", default="gpu", choices=["gpu", "torch"])
+    ap.add_argument("--batch", type=int, nargs="+", default=[1, 4, 16, 64])
+    ap.add_argument("--contexts", type=int, nargs="+", default=[1024, 32768])
+    ap.add_argument("--long", type=int, nargs="*", default=[131072], help="contexts measured at batch 1 only")
+    ap.add_argument("--max-tokens", type=int, default=64 * 32768, help="skip points above bs x context")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         sys.exit("bench.py needs a CUDA GPU")
     out = dict(device=torch.cuda.get_device_name(), date=time.strftime("%Y-%m-%d"), torch=torch.__version__)
     print(f"device: {out['device']}, torch {out['torch']}, {out['date']}")
     for what in args.what:
-        dict(attention=attention, fp8=fp8, checkpoint=checkpoint, **{"long-prompt": long_prompt})[what](args, out)
+        dict(attention=attention, fp8=fp8, checkpoint=checkpoint, decode=decode,
+             **{"long-prompt": long_prompt})[what](args, out)
     print(json.dumps(out))
 
 

@@ -87,53 +87,78 @@ def index_topk(q8, w, cache, meta, k):
 # ------------------------------------------------------------------------------------------------------------
 # Sparse MLA rows: one CSR row per query token over its selected KV-pool slots (page size 1)
 # ------------------------------------------------------------------------------------------------------------
-_state = {}                                   # per device: the flashinfer wrapper, its workspace, a plan counter
+_state = {}    # (device, rows of a CUDA graph or None): a flashinfer wrapper, its last plan, an event after that plan
 
 
-def _wrapper(device):
-    if device not in _state:
+def _planner(dev, rows, topk):
+    """The wrapper plans of `rows` rows run through (rows=None: eager steps, any shape). A CUDA graph's wrapper
+    owns fixed metadata buffers (flashinfer's use_cuda_graph mode) that its graphs captured, replanned in place."""
+    if (dev, rows) not in _state:
         from flashinfer.mla import BatchMLAPagedAttentionWrapper
-        ws = torch.zeros(WORKSPACE_BYTES, dtype=torch.uint8, device=device)   # (trtllm-gen wants it zeroed)
-        backend = "fa3" if torch.cuda.get_device_capability(device)[0] == 9 else None
-        wrapper = BatchMLAPagedAttentionWrapper(ws, backend=backend) if backend else None
-        _state[device] = dict(wrapper=wrapper, workspace=ws, plans=0)
-    return _state[device]
+        if dev not in _state:
+            _state[dev] = torch.zeros(WORKSPACE_BYTES, dtype=torch.uint8, device=dev)   # (trtllm-gen: zeroed)
+        st = _state[dev, rows] = dict(workspace=_state[dev], last=None, lens=None, event=None, wrapper=None)
+        if rows is not None:
+            st["fixed"] = dict(kv_indices=torch.zeros(rows * topk + 1, dtype=torch.int32, device=dev),
+                               dest=torch.zeros(rows * topk, dtype=torch.long, device=dev),
+                               kv_len=torch.zeros(rows, dtype=torch.int32, device=dev))
+        if torch.cuda.get_device_capability(dev)[0] == 9:                    # Hopper: FA3; Blackwell: no plan
+            graph = {} if rows is None else dict(
+                use_cuda_graph=True, qo_indptr=torch.arange(rows + 1, dtype=torch.int32, device=dev),
+                kv_indptr=torch.zeros(rows + 1, dtype=torch.int32, device=dev),
+                kv_indices=st["fixed"]["kv_indices"], kv_len_arr=st["fixed"]["kv_len"])
+            st["wrapper"] = BatchMLAPagedAttentionWrapper(st["workspace"], backend="fa3", **graph)
+    return _state[dev, rows]
 
 
 def plan(meta, cfg):
-    """The schedule of a step's sparse rows, made once per step on the host and shared by every layer: row t
+    """The schedule of a step's sparse rows, made on the host once per step and shared by every layer: row t
     reads kv_len[t] = min(ctx[t], top-k) slots. flashinfer bakes these lengths into its plan, not the slots, so
-    each layer writes its own selection into the planned `kv_indices` buffer (`dest` below) and runs; the plan
-    itself is never redone per layer. Dense prompt chunks need no plan."""
+    each layer writes its own selection into the planned `kv_indices` buffer (`dest` below) and runs. A step
+    whose lengths equal the last plan's on the same wrapper reuses it (draft-extend after verify; draft steps
+    once every context exceeds top-k). Dense prompt chunks need no plan."""
     if meta.dense(cfg.index_topk):
         return None
-    dev = meta.positions.device
-    st = _wrapper(dev)
-    width = min(cfg.index_topk, meta.max_ctx)
-    kv_len = meta.ctx_host.clamp(max=cfg.index_topk).to(torch.int32)
+    dev, K, T = meta.positions.device, cfg.index_topk, len(meta.ctx_host)
+    st = _planner(dev, T if meta.graphed else None, K)
+    width = min(K, meta.max_ctx)
+    kv_len = meta.ctx_host.clamp(max=K).to(torch.int32)
+    if st["last"] is not None and st["last"]["width"] == width and torch.equal(st["lens"], kv_len):
+        return st["last"]
+    if st["event"] is not None:       # flashinfer stages a plan through pinned memory: the last one must have landed
+        st["event"].synchronize()
     kv_indptr = F.pad(kv_len.cumsum(0), (1, 0)).to(torch.int32)
     total = int(kv_indptr[-1])
-    kv_indices = torch.zeros(total + 1, dtype=torch.int32, device=dev)       # + a sink for the unused columns
+    fixed = st.get("fixed")
+    kv_indices = fixed["kv_indices"] if fixed else torch.zeros(total + 1, dtype=torch.int32, device=dev)
     j = torch.arange(width, device=dev)
     kv_len_dev = kv_len.to(dev, non_blocking=True)
-    dest = torch.where(j < kv_len_dev[:, None], kv_indptr[:-1].to(dev, non_blocking=True)[:, None] + j, total)
-    st["plans"] += 1
-    p = dict(kv_indices=kv_indices, dest=dest.flatten(), kv_len=kv_len_dev, width=width, generation=st["plans"],
+    sink = len(kv_indices) - 1                                     # the unused columns of a row land here
+    dest = torch.where(j < kv_len_dev[:, None], kv_indptr[:-1].to(dev, non_blocking=True)[:, None] + j, sink)
+    if fixed:                                                      # a graph's buffers: refreshed in place
+        fixed["dest"].copy_(dest.flatten())
+        fixed["kv_len"].copy_(kv_len_dev)
+        dest, kv_len_dev = fixed["dest"], fixed["kv_len"]
+    p = dict(kv_indices=kv_indices, dest=dest.flatten(), kv_len=kv_len_dev, width=width, rows=T if fixed else None,
              max_kv_len=int(kv_len.max()), scale=cfg.softmax_scale, qk_nope_head_dim=cfg.qk_nope_head_dim)
     if st["wrapper"] is not None:
         from flashinfer.mla._batch_mla._contracts import MLAPlanMetadata
-        qo_indptr = torch.arange(len(kv_len) + 1, dtype=torch.int32)
+        qo_indptr = torch.arange(T + 1, dtype=torch.int32)
         st["wrapper"].plan(metadata=MLAPlanMetadata.csr(qo_indptr, kv_indptr, kv_indices, kv_len),
                            num_heads=cfg.n_heads, head_dim_ckv=cfg.kv_lora_rank, head_dim_kpe=cfg.qk_rope_head_dim,
                            page_size=1, causal=False, sm_scale=cfg.softmax_scale, q_data_type=BF16,
                            kv_data_type=BF16, query_layout="split", kv_cache_layout="split")
+        st["event"] = torch.cuda.Event()
+        st["event"].record()
+    st["last"], st["lens"] = p, kv_len
     return p
 
 
 def sparse_mla(q_abs, q_pe, cache, slots, meta, scale):
     """Kernel of nano_nsa.sparse_mla: bf16 q and cache, fp32 softmax and accumulation, bf16 out."""
-    p, st = meta.plan, _wrapper(q_abs.device)
-    assert p["generation"] == st["plans"], "a step's plan was replaced before its layers ran (plan once per step)"
+    p = meta.plan
+    st = _state[q_abs.device, p["rows"]]
+    assert p is st["last"], "a step's plan was replaced before its layers ran (plan once per step)"
     assert slots.shape[1] == p["width"]
     p["kv_indices"].scatter_(0, p["dest"], slots.flatten().to(torch.int32))   # this layer's slots, packed rows
     if st["wrapper"] is None:

@@ -24,7 +24,7 @@ import shutil
 import sys
 import time
 import zlib
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, fields, replace
 from itertools import accumulate
 from types import SimpleNamespace
 from numbers import Integral, Real
@@ -523,8 +523,15 @@ def yarn_freqs(cfg: Config) -> torch.Tensor:
 
 def rope_cos_sin(cfg: Config, positions: torch.Tensor):
     """cos/sin of theta[t, i] = fp32(t) * f'_i, each [T, R/2] fp32. (mscale goes into the softmax scale only.)"""
-    theta = positions.float()[:, None] * yarn_freqs(cfg).to(positions.device)[None, :]
+    key = (cfg.qk_rope_head_dim, cfg.rope_theta, cfg.rope_factor, cfg.original_seq_len, cfg.max_seq_len,
+           cfg.beta_fast, cfg.beta_slow, positions.device)
+    if key not in _FREQS:                        # once per device: a CUDA graph cannot copy from the host
+        _FREQS[key] = yarn_freqs(cfg).to(positions.device)
+    theta = positions.float()[:, None] * _FREQS[key][None, :]
     return theta.cos(), theta.sin()
+
+
+_FREQS = {}
 
 
 def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: bool) -> torch.Tensor:
@@ -569,8 +576,9 @@ class Meta:
     ctx_lens: torch.Tensor       # [T] causal length of each row = position + 1
     cu_seqlens: list             # [B + 1] host: row offsets of each request
     ctx_host: torch.Tensor       # [T] ctx_lens on the host (the kernels' schedule is planned from it)
-    max_ctx: int                 # the longest row context (host)
+    max_ctx: int                 # the longest row context (host); under a CUDA graph, the bound it was captured for
     plan: object = None          # the attention kernel's plan for these rows (ops.plan), made once per step
+    graphed: bool = False        # the tensors are a CUDA graph's static buffers (ops.plan keeps its own fixed too)
 
     @classmethod
     def build(cls, mode, starts, lens, table):
@@ -581,6 +589,12 @@ class Meta:
         cu = list(accumulate(lens, initial=0))
         pos = positions.to(dev)
         return cls(mode, pos, table[row_req, pos], row_req, table, pos + 1, cu, positions + 1, int(positions.max()) + 1)
+
+    def step(self, j):
+        """The same rows j positions later: the draft steps of a round shift one Meta instead of rebuilding it."""
+        pos = self.positions + j
+        return replace(self, positions=pos, slots=self.table[self.row_req, pos], ctx_lens=self.ctx_lens + j,
+                       ctx_host=self.ctx_host + j, max_ctx=self.max_ctx + j, plan=None)
 
     def dense(self, index_topk):
         """True for prompt chunks whose whole context fits in top-k: DSA selects every position, so attention
@@ -1282,7 +1296,7 @@ class LLM:
     SAMPLING = dict(max_new_tokens=(int, 0, None, True), temperature=(float, 0), top_p=(float, 0, 1, True), seed=(int,))
 
     def __init__(self, model_dir=None, device=None, mtp=1, kv_cache_bytes=None, page_size=16, max_batch=64,
-                 max_prefill_tokens=1024, max_context=None, kernels="auto", model=None):
+                 max_prefill_tokens=1024, max_context=None, kernels="auto", model=None, cuda_graphs=True):
         for name, v in dict(mtp=mtp, page_size=page_size, max_batch=max_batch, max_prefill_tokens=max_prefill_tokens,
                             kv_cache_bytes=kv_cache_bytes, max_context=max_context).items():
             if v is not None or name not in ("kv_cache_bytes", "max_context"):       # these two: None = automatic
@@ -1302,18 +1316,21 @@ class LLM:
             raise ValueError(f"mtp={mtp}: needs a checkpoint with an MTP layer")
         page, cuda = KVCache.bytes_per_token(cfg) * page_size, dev.type == "cuda"
         memory = torch.cuda.mem_get_info(dev)[1] if cuda else os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-        if kv_cache_bytes is not None and not page <= kv_cache_bytes <= memory:
-            raise ValueError(f"kv_cache_bytes={kv_cache_bytes}: " + (f"less than one page of the KV pool ({page} bytes)"
-                             if kv_cache_bytes < page else f"more than the {memory} bytes of {dev.type} memory"))
+        if kv_cache_bytes is not None and not 2 * page <= kv_cache_bytes <= memory:     # page 0: the dummy page
+            raise ValueError(f"kv_cache_bytes={kv_cache_bytes}: " + (f"less than two pages of the KV pool ({2 * page} "
+                             "bytes)" if kv_cache_bytes < 2 * page else f"more than the {memory} bytes of {dev.type} memory"))
         self.model = model or load_model(model_dir, dev, kernels, cfg)  # model: built already (bench.py)
         self.announce = dev.type == "cuda"              # say once, at the first generate, which kernels run
         self.k, self.page_size, self.max_batch, self.max_prefill_tokens = mtp, page_size, max_batch, max_prefill_tokens
         kv_cache_bytes = kv_cache_bytes or (int(torch.cuda.mem_get_info(dev)[0] * 0.8) if cuda else 256 << 20)
         num_pages = kv_cache_bytes // page                      # default pool: CPU 256 MiB, GPU 80% of what is free
         self.cache = KVCache(cfg, num_pages * page_size, self.device)
-        self.free_pages = list(range(num_pages))
-        self.max_context = min(max_context or cfg.max_seq_len, cfg.max_seq_len)
+        self.free_pages = list(range(1, num_pages))             # page 0 is never given out: slot 0 is the dummy slot
+        self.max_context = min(max_context or cfg.max_seq_len, cfg.max_seq_len)   # that padded rows write to
         self.stats = {}
+        self.graphs = None
+        if cuda_graphs and cuda and self.model.ops is not TORCH_OPS:      # (the torch references sync the host)
+            self.graphs = CudaGraphs(self)
 
     # --- paged KV pool: a request owns pages; position p lives in slot pages[p // P] * P + p % P ---------------
     def _reserve(self, req, n_positions):
@@ -1330,8 +1347,8 @@ class LLM:
     def _table(self, reqs):
         """[B, N] slot of every position of each request (page size 1 view of the page tables)."""
         width = max(len(r.pages) for r in reqs)
-        pages = torch.tensor([r.pages + [0] * (width - len(r.pages)) for r in reqs])
-        return (pages[:, :, None] * self.page_size + torch.arange(self.page_size)).flatten(1).to(self.device)
+        pages = torch.tensor([r.pages + [0] * (width - len(r.pages)) for r in reqs]).to(self.device)
+        return (pages[:, :, None] * self.page_size + torch.arange(self.page_size, device=self.device)).flatten(1)
 
     def _reserve_or_preempt(self, reqs, n_positions):
         """Give every request pages for n_positions(r); when the pool is full, preempt the newest request (its
@@ -1447,7 +1464,16 @@ class LLM:
         p = probs_from_logits(logits[None], r.temperature, r.top_p)[0]
         return int(sample_no_sync(p, r.gen)), p
 
-    _pick = _sample                  # how a draft token is chosen from the MTP logits (tests swap in an oracle)
+    def _pick(self, reqs, logits, j):
+        """Draft token j of each request from the MTP logits [B, V], on the device (no host round trip): the argmax,
+        or for a sampling request a draw from its distribution q, kept for the acceptance test. (Tests swap in an
+        oracle here.)"""
+        tokens, q = logits.argmax(-1), [None] * len(reqs)
+        for b, r in enumerate(reqs):
+            if r.temperature > 0:
+                q[b] = probs_from_logits(logits[b:b + 1], r.temperature, r.top_p)[0]
+                tokens[b] = sample_no_sync(q[b], r.gen)
+        return tokens, q
 
     def _prefill_step(self, reqs):
         chunks, budget = [], self.max_prefill_tokens
@@ -1479,59 +1505,158 @@ class LLM:
             self._draft([chunks[b][0] for b in done], hm[[last[b] for b in done]])
         self._retire()
 
+    def _forward(self, kind, tokens, meta, h=None, j=0):
+        """One forward pass of the decode round: 'verify' (the main model over verify / decode rows), 'extend' (the
+        MTP layer over the same rows), 'draft' (the MTP layer, one row per request). A CUDA graph replay when the
+        engine has them, else eager."""
+        if self.graphs:
+            return self.graphs.run(kind, tokens, meta, h, j)
+        if kind == "verify":
+            return self.model(tokens, meta, self.cache)
+        return self.model.mtp_forward(tokens, h, meta, self.cache, j)
+
     def _draft(self, reqs, h):
-        """k draft tokens per request: the first from the MTP row that just ran at position L-1 (hidden h), the rest
-        from k-1 MTP decode steps, each a row at position L-1+j with its own causal length."""
-        mtp, table = self.model.mtp, self._table(reqs)
-        for r in reqs:
-            r.draft, r.q = [], []
+        """k draft tokens per request, left on the device (r.draft [k]): the first from the MTP row that just ran at
+        position L-1 (hidden h), the rest from k-1 MTP decode steps, rows at L-1+j, each its own causal length.
+        Their metadata is built once and shifted per step (Meta.step), and their plans are shared where equal."""
+        mtp, drafts, qs, meta = self.model.mtp, [], [], None
         for j in range(self.k):
             if j > 0:
-                meta = Meta.build("decode", [r.num_cached - 1 + j for r in reqs], [1] * len(reqs), table)
-                tokens = torch.tensor([r.draft[-1] for r in reqs], device=self.device)
-                h = self.model.mtp_forward(tokens, h, meta, self.cache, j=min(j, len(mtp) - 1))
-            logits = mtp[min(j, len(mtp) - 1)].logits(h)
-            for b, r in enumerate(reqs):
-                t, q = self._pick(r, logits[b])
-                r.draft.append(t)
-                r.q.append(q)
-        for r in reqs:
-            r.q = torch.stack(r.q) if r.temperature > 0 else None
+                meta = meta.step(1) if meta else self._meta("decode", reqs, [r.num_cached for r in reqs], 1)
+                h = self._forward("draft", drafts[-1], meta, h, j=min(j, len(mtp) - 1))
+            tokens, q = self._pick(reqs, mtp[min(j, len(mtp) - 1)].logits(h), j)
+            drafts.append(tokens)
+            qs.append(q)
+        drafts = torch.stack(drafts, 1)                                           # [B, k]
+        for b, r in enumerate(reqs):
+            r.draft = drafts[b]
+            r.q = torch.stack([q[b] for q in qs]) if r.temperature > 0 else None
+
+    def _meta(self, mode, reqs, starts, n):
+        return Meta.build(mode, starts, [n] * len(reqs), self._table(reqs))
 
     def _decode_round(self, reqs):
+        """Verify every request's k drafts in one main-model pass of decode rows (k + 1 per request), accept, run the
+        MTP layer over the same rows (draft-extend; rows past a request's accepted tokens are padding, so the shape
+        and the metadata do not depend on what was accepted), draft k new tokens. Greedy requests are settled on the
+        device and read back once per round, together."""
         k = self.k
         reqs = self._reserve_or_preempt(reqs, lambda r: r.num_cached + 2 * k + 1)
         if not reqs:
             return
-        table = self._table(reqs)
-        L = [r.num_cached for r in reqs]
-        # verify (or plain decode when k == 0): rows [x_L, d_1..d_k] at positions L..L+k, each its own decode row
-        meta = Meta.build("verify" if k else "decode", L, [k + 1] * len(reqs), table)
-        tokens = torch.tensor([t for r in reqs for t in [r.tokens[-1]] + (r.draft or [])], device=self.device)
-        h = self.model(tokens, meta, self.cache)
-        logits = self.model.logits(h).view(len(reqs), k + 1, -1)
-        extend = []
+        B, L = len(reqs), [r.num_cached for r in reqs]
+        meta = self._meta("verify" if k else "decode", reqs, L, k + 1)       # rows x_L, d_1..d_k at L..L+k
+        last = torch.tensor([r.tokens[-1] for r in reqs], device=self.device)
+        drafts = torch.stack([r.draft for r in reqs]) if k else last[:, None][:, :0]      # [B, k]
+        h = self._forward("verify", torch.cat([last[:, None], drafts], 1).flatten(), meta)
+        logits = self.model.logits(h).view(B, k + 1, -1)
+        target = logits.argmax(-1)                                                # [B, k + 1]
+        accepted = (drafts == target[:, :k]).cumprod(1).sum(1)                   # greedy: leading drafts == argmax
+        host = torch.cat([target, accepted[:, None]], 1).tolist()               # the round's one read-back
+        news = []
         for b, r in enumerate(reqs):
-            if k == 0:
-                new = [self._sample(r, logits[b, 0])[0]]
+            if r.temperature == 0:
+                new = host[b][:host[b][-1] + 1]                                   # accepted drafts, then the argmax
+            elif k:                                                              # sampling reads its own draws
+                new = speculative_accept(r.draft.tolist(), r.q, logits[b], r.temperature, r.top_p, r.gen)
             else:
-                new = speculative_accept(r.draft, r.q, logits[b], r.temperature, r.top_p, r.gen)
+                new = [self._sample(r, logits[b, 0])[0]]
+            if k:
                 r.accept_lengths.append(len(new))
             r.num_cached += len(new)                              # x_L and the accepted drafts now have KV
             self._emit(r, new, logits[b])
-            if r.finish is None and k:
-                extend.append((b, r, len(new)))
+            news.append(new if r.finish is None else [])
         self._retire()
-        if not extend:
+        live = [b for b in range(B) if news[b]]
+        if not k or not live:
             return
-        # draft-extend: the MTP layer over the accepted tokens, pairs (h_{L+j}, x_{L+j+1}), rows at L..L+a
-        ereqs = [r for _, r, _ in extend]
-        meta = Meta.build("verify", [L[b] for b, _, _ in extend], [n for _, _, n in extend], self._table(ereqs))
-        rows = torch.tensor([b * (k + 1) + j for b, _, n in extend for j in range(n)], device=self.device)
-        next_tokens = torch.tensor([t for b, r, n in extend for t in r.tokens[L[b] + 1:L[b] + n + 1]],
-                                   device=self.device)
-        hm = self.model.mtp_forward(next_tokens, h[rows], meta, self.cache)
-        self._draft(ereqs, hm[[c - 1 for c in meta.cu_seqlens[1:]]])
+        # draft-extend: the MTP layer over the verify rows, pairs (h_{L+j}, x_{L+j+1}); padding rows write the dummy slot
+        keep = torch.tensor([[j < len(new) for j in range(k + 1)] for new in news], device=self.device).flatten()
+        nxt = torch.tensor([new + [0] * (k + 1 - len(new)) for new in news], device=self.device).flatten()
+        hm = self._forward("extend", nxt, replace(meta, slots=torch.where(keep, meta.slots, 0)), h)
+        self._draft([reqs[b] for b in live], hm[[b * (k + 1) + len(news[b]) - 1 for b in live]])
+
+
+def graph_buckets(max_bs, rows_per_req, tp=1):
+    """The batch sizes captured for a step of rows_per_req rows per request: 1, 2, 4, 8, then every 16, up to the
+    first size >= max_bs, keeping the sizes whose row count splits evenly over tp ranks (SGLang's rule, so that at
+    TP 8 a bs=1 verify of 4 rows pads to bs=2, 8 rows, not to bs=8, 32 rows)."""
+    step = tp // math.gcd(tp, rows_per_req)                  # bs must be a multiple of this
+    top = -(-max_bs // step) * step
+    return [b for b in sorted({1, 2, 4, 8, *range(16, top, 16), top}) if b <= top and b % step == 0]
+
+
+class CudaGraphs:
+    """The decode round's forward passes as CUDA graphs, one per batch-size bucket (in the spirit of nano-vllm's
+    runner): 'verify' (the main model over k + 1 rows per request; plain decode: 1), 'extend' (the MTP layer over
+    the same rows) and 'draft' (the MTP layer over one row per request, replayed for each of the k - 1 draft
+    steps). A replay copies the step's inputs and metadata into static buffers; rows of padding requests write the
+    dummy slot 0 and read one position. The attention plan (ops.plan: host work, exact lengths) is made before each
+    replay, outside the graph. The indexer's width is a shape too, so a graph is captured per context bound as well:
+    index_topk (every row selects its whole context) at start, the powers of two above it on first use."""
+    def __init__(self, llm):
+        cfg, dev, k, t0 = llm.cfg, llm.device, llm.k, time.perf_counter()
+        self.llm, self.rows = llm, dict(verify=k + 1, extend=k + 1, draft=1)
+        kinds = ["verify"] + ["extend"] * (k > 0) + ["draft"] * (k > 1)
+        self.buckets = {kind: graph_buckets(llm.max_batch, self.rows[kind]) for kind in kinds}
+        max_bs = max(b[-1] for b in self.buckets.values())
+        rows = max_bs * (k + 1)
+        self.max_width = -(-(llm.max_context + 2 * k + 2) // llm.page_size) * llm.page_size
+        self.tokens, self.positions, self.slots, self.ctx = (torch.zeros(rows, dtype=torch.long, device=dev)
+                                                             for _ in range(4))
+        self.h = torch.zeros(rows, cfg.dim, dtype=BF16, device=dev)
+        self.table = torch.zeros(max_bs, self.max_width, dtype=torch.long, device=dev)
+        self.graphs, self.pool = {}, None
+        for kind in kinds:
+            for bs in self.buckets[kind]:
+                self._capture(kind, bs, self.width(cfg.index_topk), j=min(kind == "draft", cfg.n_mtp_layers - 1))
+        print(f"nano-nsa: captured {len(self.graphs)} CUDA graphs in {time.perf_counter() - t0:.1f} s: " +
+              ", ".join(f"{kind} bs {','.join(map(str, b))}" for kind, b in self.buckets.items()) +
+              f" (contexts <= {cfg.index_topk}; longer ones are captured on first use)", file=sys.stderr)
+
+    def width(self, max_ctx):
+        """The context bound a step runs under: index_topk, or the next power of two (the indexer's score width)."""
+        topk = self.llm.cfg.index_topk
+        return topk if max_ctx <= topk else min(1 << (max_ctx - 1).bit_length(), self.max_width)
+
+    def _capture(self, kind, bs, width, j):
+        llm, n = self.llm, self.rows[kind]
+        T = bs * n
+        meta = Meta("decode", self.positions[:T], self.slots[:T],
+                    torch.arange(bs, device=llm.device).repeat_interleave(n), self.table[:bs, :width], self.ctx[:T],
+                    list(range(0, T + 1, n)), torch.ones(T, dtype=torch.long), width, graphed=True)
+        self.positions[:T], self.slots[:T], self.ctx[:T] = 0, 0, 1
+        meta.plan = llm.model.ops.plan(meta, llm.cfg)
+        forward = (lambda: llm.model(self.tokens[:T], meta, llm.cache)) if kind == "verify" else \
+            (lambda: llm.model.mtp_forward(self.tokens[:T], self.h[:T], meta, llm.cache, j))
+        forward()                                                      # warm-up: compiles and autotunes kernels
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, self.pool):
+            out = forward()
+        self.pool = self.pool or graph.pool()                          # all graphs share one memory pool
+        self.graphs[kind, bs, width, j] = (graph, meta, out)
+
+    def run(self, kind, tokens, meta, h=None, j=0):
+        n, B = self.rows[kind], meta.table.shape[0]
+        bs, width = next(b for b in self.buckets[kind] if b >= B), self.width(meta.max_ctx)
+        if (kind, bs, width, j) not in self.graphs:
+            t0 = time.perf_counter()
+            self._capture(kind, bs, width, j)
+            print(f"nano-nsa: captured the {kind} graph for bs {bs}, contexts <= {width} in "
+                  f"{time.perf_counter() - t0:.2f} s", file=sys.stderr)
+        graph, static, out = self.graphs[kind, bs, width, j]
+        T, Tp = B * n, bs * n
+        for buf, x in ((self.tokens, tokens), (self.positions, meta.positions), (self.slots, meta.slots),
+                       (self.ctx, meta.ctx_lens)) + (((self.h, h),) if h is not None else ()):
+            buf[:T] = x
+        self.positions[T:Tp], self.slots[T:Tp], self.ctx[T:Tp] = 0, 0, 1          # padding rows
+        self.table[:B, :meta.table.shape[1]] = meta.table
+        self.table[B:bs, 0] = 0
+        static.ctx_host = F.pad(meta.ctx_host, (0, Tp - T), value=1)
+        static.plan = self.llm.model.ops.plan(static, self.llm.cfg)      # exact lengths, before the replay
+        graph.replay()
+        return out[:T]
 
 
 # ------------------------------------------------------------------------------------------------------------
@@ -1558,6 +1683,7 @@ def main(argv=None):
     ap.add_argument("--max-context", type=int, help="refuse prompts + max_new_tokens longer than this")
     ap.add_argument("--kernels", default="auto", choices=["auto", "torch", "gpu"],
                     help="auto: kernels.py on a GPU that supports it; torch: the readable reference path")
+    ap.add_argument("--no-cuda-graphs", action="store_true", help="run decode rounds eagerly (GPU)")
     ap.add_argument("--json", action="store_true", help="print one JSON document instead of streaming text")
     args = ap.parse_args(argv)
     try:
@@ -1573,7 +1699,7 @@ def main(argv=None):
         for name, rule in LLM.SAMPLING.items():                # before any work: a model may take minutes to load
             check_arg(name, getattr(args, name), *rule)
         llm = LLM(args.model, device=args.device, mtp=args.mtp, max_context=args.max_context,
-                  kernels=args.kernels)
+                  kernels=args.kernels, cuda_graphs=not args.no_cuda_graphs)
         stream = not args.json and len(prompts) == 1
         streamed, printed = [], [""]
 
