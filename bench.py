@@ -359,7 +359,7 @@ def decode(args, out):
     the memory-bandwidth roofline measured in the same run; CUDA graphs vs eager; verify rows vs a decode row;
     metadata once per step vs per layer."""
     import kernels
-    bw = hbm_bandwidth()
+    bw = hbm_bandwidth() * 1e12
     cfg = m.Config.full(n_layers=args.layers)
     t0 = time.perf_counter()
     model = random_model(cfg, "cuda")
@@ -382,7 +382,7 @@ def decode(args, out):
         for ik in llm.cache.ik:                                # layer by layer: a few GB of fp32 at a time
             ik.copy_((torch.randn(ik.shape, device="cuda") * 8).to(m.FP8))
         llm.cache.iks.uniform_(0.5, 1.5)
-        llm.cfg.eos_token_id = -1                              # random tokens must not end a request
+        eos, llm.cfg.eos_token_id = llm.cfg.eos_token_id, -1   # random tokens must not end a request
         for bs, ctx in points:
             ms, toks = time_rounds(llm, bs, ctx)
             reqs = decode_batch(llm, bs, ctx, 2)
@@ -419,6 +419,7 @@ def decode(args, out):
                                                 ["round_ms"], capture_s=t_capture, graphs=len(graphs.graphs))
         if k == max(args.mtp):
             extra["metadata"] = metadata_cost(llm, cfg, k)
+        llm.cfg.eos_token_id = eos
         del llm, graphs
     table(f"Decode rounds, Config.full(n_layers={args.layers}) + MTP layer, CUDA graphs; roofline = bytes the round "
           f"must read / measured HBM bandwidth ({bw / 1e12:.2f} TB/s) / round time",
@@ -426,6 +427,9 @@ def decode(args, out):
            "layers roofline", "experts/MoE layer"], [tuple(r.values()) for r in res])
     table("CUDA graphs vs eager (bs=1)", ["what", "eager ms", "graphs ms", "capture s", "graphs"],
           [(k_, *v.values()) for k_, v in extra.items() if k_.startswith("eager")])
+    extra["peak_gib"], extra["kv_bytes_per_token"] = torch.cuda.max_memory_allocated() / 2**30, \
+        m.KVCache.bytes_per_token(cfg)
+    print(f"peak GPU memory {extra['peak_gib']:.1f} GiB, KV {extra['kv_bytes_per_token']} B/token")
     out["decode"], out["decode_extra"] = res, extra
 
 
@@ -462,9 +466,56 @@ def metadata_cost(llm, cfg, k):
     return res
 
 
+def baseline(args, out):
+    """HF transformers' DeepseekV32ForCausalLM.generate vs nano-nsa on the same checkpoints on disk (the tiny one and
+    the full-width 2-layer one), greedy, no MTP: tokens/s at batch 1 and 16 and greedy-token agreement. HF loads the
+    FP8 weights dequantized to bf16 (its FP8 kernels are fetched from a hub at run time, impossible here)."""
+    import shutil
+    import transformers
+    res, N = [], args.new_tokens
+    for name, cfg in (("tiny", m.Config.tiny()), ("full-width 2 layers", m.Config.full(n_layers=2))):
+        path = tempfile.mkdtemp()
+        m.save_random_checkpoint(path, cfg, device="cuda")
+        g = torch.Generator().manual_seed(0)
+        prompts = [torch.randint(6, 250, (32,), generator=g).tolist() for _ in range(16)]
+        hf = transformers.AutoModelForCausalLM.from_pretrained(
+            path, device_map="cuda", dtype=torch.bfloat16,
+            quantization_config=transformers.FineGrainedFP8Config(dequantize=True))
+
+        def hf_generate(bs):
+            ids = torch.tensor(prompts[:bs], device="cuda")
+            kw = dict(attention_mask=torch.ones_like(ids), max_new_tokens=N, min_new_tokens=N, do_sample=False)
+            hf.generate(ids, **{**kw, "max_new_tokens": 2, "min_new_tokens": 2})
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            o = hf.generate(ids, **kw)
+            torch.cuda.synchronize()
+            return o[:, ids.shape[1]:].tolist(), bs * N / (time.perf_counter() - t0)
+        theirs = {bs: hf_generate(bs) for bs in (1, 16)}
+        del hf
+        torch.cuda.empty_cache()
+        llm = m.LLM(path, device="cuda", mtp=0, kv_cache_bytes=2 << 30)
+        llm.cfg.eos_token_id = -1                                      # N tokens each, as min_new_tokens above
+        for bs in (1, 16):
+            llm.generate(prompts[:bs], max_new_tokens=2)
+            t0 = time.perf_counter()
+            ours = [r.token_ids for r in llm.generate(prompts[:bs], max_new_tokens=N)]
+            tok_s = bs * N / (time.perf_counter() - t0)
+            agree = [next((i for i, (a, b) in enumerate(zip(x, y)) if a != b), N) for x, y in zip(ours, theirs[bs][0])]
+            res.append(dict(model=name, bs=bs, hf_tok_s=theirs[bs][1], ours_tok_s=tok_s, speedup=tok_s / theirs[bs][1],
+                            leading_equal=f"{statistics.mean(agree):.1f}/{N}", all_equal=sum(a == N for a in agree)))
+        del llm
+        shutil.rmtree(path)
+    table(f"HF transformers {transformers.__version__} (bf16, dequantized at load) vs nano-nsa (FP8 kernels, CUDA "
+          f"graphs), greedy, {N} new tokens after a 32-token prompt",
+          ["model", "bs", "HF tok/s", "nano-nsa tok/s", "speedup", "mean leading equal tokens", "requests all equal"],
+          [tuple(r.values()) for r in res])
+    out["baseline"] = res
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("what", choices=["attention", "fp8", "checkpoint", "long-prompt", "decode"], nargs="+")
+    ap.add_argument("what", choices=["attention", "fp8", "checkpoint", "long-prompt", "decode", "baseline"], nargs="+")
     ap.add_argument("--prompt", type=int, default=1024)
     ap.add_argument("--context", type=int, default=32768)
     ap.add_argument("--layers", type=int, default=3)
@@ -482,7 +533,7 @@ def main():
     out = dict(device=torch.cuda.get_device_name(), date=time.strftime("%Y-%m-%d"), torch=torch.__version__)
     print(f"device: {out['device']}, torch {out['torch']}, {out['date']}")
     for what in args.what:
-        dict(attention=attention, fp8=fp8, checkpoint=checkpoint, decode=decode,
+        dict(attention=attention, fp8=fp8, checkpoint=checkpoint, decode=decode, baseline=baseline,
              **{"long-prompt": long_prompt})[what](args, out)
     print(json.dumps(out))
 
