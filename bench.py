@@ -367,7 +367,7 @@ def decode(args, out):
     tok_dir = tempfile.mkdtemp()
     m.write_byte_tokenizer(tok_dir, cfg.vocab_size)
     L = cfg.n_layers + cfg.n_mtp_layers
-    print(f"Config.full(n_layers={args.layers}) + MTP built in {t_build:.0f} s; HBM copy bandwidth {bw / 1e12:.2f} TB/s; "
+    print(f"Config.full(n_layers={args.layers}) + MTP built in {t_build:.0f} s; HBM copy {bw / 1e12:.2f} TB/s; "
           f"KV {m.KVCache.bytes_per_token(cfg)} B/token", flush=True)
     res, extra = [], {}
     points = [(bs, ctx) for ctx in args.contexts for bs in args.batch if bs * ctx <= args.max_tokens]
@@ -392,7 +392,7 @@ def decode(args, out):
             seen = distinct_experts(model, lambda: model(tokens, meta, llm.cache))
             layers_b, head_b = step_bytes(model, bs, k + 1, ctx, seen), nbytes(model.head)
             mtp_b = 0
-            if k:                      # draft-extend (bs x (k+1) rows) + k-1 draft steps (bs rows): the MTP layer + head
+            if k:                      # draft-extend (bs x (k+1) rows) + k-1 draft steps (bs rows): MTP layer + head
                 d_meta = llm._meta("decode", reqs, [ctx + 1] * bs, 1)
                 ext = distinct_experts(model, lambda: model.mtp_forward(tokens, h, meta, llm.cache))
                 drf = distinct_experts(model, lambda: model.mtp_forward(tokens[:bs], h[:bs], d_meta, llm.cache))
@@ -403,10 +403,13 @@ def decode(args, out):
             key = ("verify", next(b for b in llm.graphs.buckets["verify"] if b >= bs), llm.graphs.width(ctx + k + 1), 0)
             llm._forward("verify", tokens, meta)               # plan + static buffers for this step, then replay alone
             t_layers = cuda_time(llm.graphs.graphs[key][0].replay)
+            if bs == 1 and ctx == points[0][1]:
+                extra[f"profile_mtp{k}"] = profile_replay(llm.graphs.graphs[key][0].replay, cfg.n_layers)
             for r in reqs:
                 llm._release(r)
             step_b = layers_b + head_b + mtp_b
-            row = dict(mtp=k, bs=bs, ctx=ctx, round_ms=ms, tok_per_round=toks, tok_s=toks / ms * 1e3, step_GB=step_b / 1e9, roofline=step_b / bw / (ms / 1e3),
+            row = dict(mtp=k, bs=bs, ctx=ctx, round_ms=ms, tok_per_round=toks, tok_s=toks / ms * 1e3,
+                       step_GB=step_b / 1e9, roofline=step_b / bw / (ms / 1e3),
                        layers_ms=t_layers, layers_roofline=layers_b / bw / (t_layers / 1e3),
                        experts=round(statistics.mean(seen), 1) if seen else 0)
             res.append(row)
@@ -418,7 +421,8 @@ def decode(args, out):
         extra[f"eager_vs_graphs_mtp{k}"] = dict(eager_ms=eager_ms, graphs_ms=res[[r["mtp"] for r in res].index(k)]
                                                 ["round_ms"], capture_s=t_capture, graphs=len(graphs.graphs))
         if k == max(args.mtp):
-            extra["metadata"] = metadata_cost(llm, cfg, k)
+            extra["metadata"] = metadata_cost(llm, cfg, k, max(args.batch), max(c for b, c in points
+                                                                                    if b == max(args.batch)))
         llm.cfg.eos_token_id = eos
         del llm, graphs
     table(f"Decode rounds, Config.full(n_layers={args.layers}) + MTP layer, CUDA graphs; roofline = bytes the round "
@@ -433,13 +437,29 @@ def decode(args, out):
     out["decode"], out["decode_extra"] = res, extra
 
 
-def metadata_cost(llm, cfg, k):
+def profile_replay(fn, n_layers, top=12):
+    """Kernels of one replay of a graph by total device time: where a step's time goes."""
+    from torch.profiler import profile, ProfilerActivity
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    ev = [e for e in prof.key_averages() if e.device_type.name == "CUDA"]
+    total = sum(e.device_time_total for e in ev)
+    rows = sorted(((e.key[:60], e.count, e.device_time_total / 1e3) for e in ev), key=lambda r: -r[2])[:top]
+    table(f"One replay of the bs=1 verify graph ({n_layers} layers): {sum(e.count for e in ev)} kernels, "
+          f"{total / 1e3:.3f} ms of kernel time", ["kernel", "launches", "ms"], rows)
+    return dict(kernels=sum(e.count for e in ev), kernel_ms=total / 1e3, top=rows)
+
+
+def metadata_cost(llm, cfg, k, big_bs, ctx):
     """Host + device time and kernel launches of one step's metadata (Meta.build + ops.plan), and what per-layer /
     per-draft-step rebuilding would cost: the engine builds it once per step and shifts it for draft steps."""
     from torch.profiler import profile, ProfilerActivity
     res = {}
-    for bs in (1, 64):
-        reqs = decode_batch(llm, bs, 32768, 2)
+    for bs in (1, big_bs):
+        reqs = decode_batch(llm, bs, ctx, 2)
 
         def build(j=0):
             meta = llm._meta("verify", reqs, [r.num_cached + j for r in reqs], k + 1)
@@ -460,10 +480,32 @@ def metadata_cost(llm, cfg, k):
         per_layer = layers * t_build + (k - 1) * t_build
         res[f"bs{bs}"] = dict(build_ms=t_build, shift_ms=t_step, kernels=launches, once_ms=once,
                               per_layer_ms=per_layer, per_layer_61_ms=62 * t_build + (k - 1) * t_build)
-    table(f"Metadata per decode round (mtp={k}, 32K context): once per step vs per layer and per draft step",
+    table(f"Metadata per decode round (mtp={k}, {ctx} context): once per step vs per layer and per draft step",
           ["bs", "build+plan ms", "shift ms", "kernels", "once/round ms", f"per layer ms ({cfg.n_layers}+1 layers)",
            "per layer ms (61+1 layers)"], [(b, *v.values()) for b, v in res.items()])
     return res
+
+
+def hf_loadable(path):
+    """HF's FP8 dequantization refuses a weight whose rows are not whole 128-blocks (kv_a_proj_with_mqa: 576 rows, a
+    partial last block, as in the official checkpoint): store those few weights exactly dequantized to bf16, and
+    tell HF not to convert them. Every other tensor stays as written."""
+    from safetensors.torch import load_file, save_file
+    index = os.path.join(path, "model.safetensors.index.json")
+    with open(index) as f:
+        idx = json.load(f)
+    for shard in sorted({f for n, f in idx["weight_map"].items() if n.endswith("kv_a_proj_with_mqa.weight")}):
+        ts = load_file(os.path.join(path, shard))
+        for n in [n for n in ts if n.endswith("kv_a_proj_with_mqa.weight")]:
+            ts[n] = m.weight_dequant(ts[n], ts.pop(n + "_scale_inv")).to(m.BF16)
+            del idx["weight_map"][n + "_scale_inv"]
+        save_file(ts, os.path.join(path, shard), metadata={"format": "pt"})
+    with open(index, "w") as f:
+        json.dump(idx, f)
+    hf = m.read_json(os.path.join(path, "config.json"))
+    hf["quantization_config"]["modules_to_not_convert"] = ["kv_a_proj_with_mqa"]
+    with open(os.path.join(path, "config.json"), "w") as f:
+        json.dump(hf, f)
 
 
 def baseline(args, out):
@@ -478,33 +520,34 @@ def baseline(args, out):
         m.save_random_checkpoint(path, cfg, device="cuda")
         g = torch.Generator().manual_seed(0)
         prompts = [torch.randint(6, 250, (32,), generator=g).tolist() for _ in range(16)]
+        llm = m.LLM(path, device="cuda", mtp=0, kv_cache_bytes=2 << 30)
+        llm.cfg.eos_token_id = -1                                      # N tokens each, as min_new_tokens below
+        ours = {}
+        for bs in (1, 16):
+            llm.generate(prompts[:bs], max_new_tokens=2)
+            t0 = time.perf_counter()
+            toks = [r.token_ids for r in llm.generate(prompts[:bs], max_new_tokens=N)]
+            ours[bs] = toks, bs * N / (time.perf_counter() - t0)
+        del llm
+        torch.cuda.empty_cache()
+        hf_loadable(path)
         hf = transformers.AutoModelForCausalLM.from_pretrained(
             path, device_map="cuda", dtype=torch.bfloat16,
             quantization_config=transformers.FineGrainedFP8Config(dequantize=True))
-
-        def hf_generate(bs):
+        for bs in (1, 16):
             ids = torch.tensor(prompts[:bs], device="cuda")
             kw = dict(attention_mask=torch.ones_like(ids), max_new_tokens=N, min_new_tokens=N, do_sample=False)
             hf.generate(ids, **{**kw, "max_new_tokens": 2, "min_new_tokens": 2})
             torch.cuda.synchronize()
             t0 = time.perf_counter()
-            o = hf.generate(ids, **kw)
+            theirs = hf.generate(ids, **kw)[:, ids.shape[1]:].tolist()
             torch.cuda.synchronize()
-            return o[:, ids.shape[1]:].tolist(), bs * N / (time.perf_counter() - t0)
-        theirs = {bs: hf_generate(bs) for bs in (1, 16)}
+            hf_tok_s = bs * N / (time.perf_counter() - t0)
+            agree = [next((i for i, (a, b) in enumerate(zip(x, y)) if a != b), N) for x, y in zip(ours[bs][0], theirs)]
+            res.append(dict(model=name, bs=bs, hf_tok_s=hf_tok_s, ours_tok_s=ours[bs][1], speedup=ours[bs][1] / hf_tok_s,
+                            leading_equal=f"{statistics.mean(agree):.1f}/{N}", all_equal=sum(a == N for a in agree)))
         del hf
         torch.cuda.empty_cache()
-        llm = m.LLM(path, device="cuda", mtp=0, kv_cache_bytes=2 << 30)
-        llm.cfg.eos_token_id = -1                                      # N tokens each, as min_new_tokens above
-        for bs in (1, 16):
-            llm.generate(prompts[:bs], max_new_tokens=2)
-            t0 = time.perf_counter()
-            ours = [r.token_ids for r in llm.generate(prompts[:bs], max_new_tokens=N)]
-            tok_s = bs * N / (time.perf_counter() - t0)
-            agree = [next((i for i, (a, b) in enumerate(zip(x, y)) if a != b), N) for x, y in zip(ours, theirs[bs][0])]
-            res.append(dict(model=name, bs=bs, hf_tok_s=theirs[bs][1], ours_tok_s=tok_s, speedup=tok_s / theirs[bs][1],
-                            leading_equal=f"{statistics.mean(agree):.1f}/{N}", all_equal=sum(a == N for a in agree)))
-        del llm
         shutil.rmtree(path)
     table(f"HF transformers {transformers.__version__} (bf16, dequantized at load) vs nano-nsa (FP8 kernels, CUDA "
           f"graphs), greedy, {N} new tokens after a 32-token prompt",

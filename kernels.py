@@ -20,6 +20,10 @@ import triton
 import triton.language as tl
 
 BF16 = torch.bfloat16
+
+
+def to_device(x, device):                    # as nano_nsa.to_device: pinned, so the host never waits on the GPU
+    return x.pin_memory().to(device, non_blocking=True)
 WORKSPACE_BYTES = 256 << 20          # flashinfer's float workspace (split-KV partial outputs)
 
 
@@ -87,17 +91,19 @@ def index_topk(q8, w, cache, meta, k):
 # ------------------------------------------------------------------------------------------------------------
 # Sparse MLA rows: one CSR row per query token over its selected KV-pool slots (page size 1)
 # ------------------------------------------------------------------------------------------------------------
-_state = {}    # (device, rows of a CUDA graph or None): a flashinfer wrapper, its last plan, an event after that plan
+_state = {}    # (device, rows of a CUDA graph or None, model shape): a flashinfer wrapper, its last plan, an event
 
 
-def _planner(dev, rows, topk):
+def _planner(dev, rows, cfg):
     """The wrapper plans of `rows` rows run through (rows=None: eager steps, any shape). A CUDA graph's wrapper
     owns fixed metadata buffers (flashinfer's use_cuda_graph mode) that its graphs captured, replanned in place."""
-    if (dev, rows) not in _state:
+    key, topk = (dev, rows, cfg.n_heads, cfg.kv_lora_rank, cfg.qk_rope_head_dim, cfg.softmax_scale, cfg.index_topk), \
+        cfg.index_topk
+    if key not in _state:
         from flashinfer.mla import BatchMLAPagedAttentionWrapper
         if dev not in _state:
             _state[dev] = torch.zeros(WORKSPACE_BYTES, dtype=torch.uint8, device=dev)   # (trtllm-gen: zeroed)
-        st = _state[dev, rows] = dict(workspace=_state[dev], last=None, lens=None, event=None, wrapper=None)
+        st = _state[key] = dict(workspace=_state[dev], last=None, lens=None, event=None, wrapper=None, key=key)
         if rows is not None:
             st["fixed"] = dict(kv_indices=torch.zeros(rows * topk + 1, dtype=torch.int32, device=dev),
                                dest=torch.zeros(rows * topk, dtype=torch.long, device=dev),
@@ -108,7 +114,7 @@ def _planner(dev, rows, topk):
                 kv_indptr=torch.zeros(rows + 1, dtype=torch.int32, device=dev),
                 kv_indices=st["fixed"]["kv_indices"], kv_len_arr=st["fixed"]["kv_len"])
             st["wrapper"] = BatchMLAPagedAttentionWrapper(st["workspace"], backend="fa3", **graph)
-    return _state[dev, rows]
+    return _state[key]
 
 
 def plan(meta, cfg):
@@ -120,7 +126,7 @@ def plan(meta, cfg):
     if meta.dense(cfg.index_topk):
         return None
     dev, K, T = meta.positions.device, cfg.index_topk, len(meta.ctx_host)
-    st = _planner(dev, T if meta.graphed else None, K)
+    st = _planner(dev, T if meta.graphed else None, cfg)
     width = min(K, meta.max_ctx)
     kv_len = meta.ctx_host.clamp(max=K).to(torch.int32)
     if st["last"] is not None and st["last"]["width"] == width and torch.equal(st["lens"], kv_len):
@@ -132,14 +138,14 @@ def plan(meta, cfg):
     fixed = st.get("fixed")
     kv_indices = fixed["kv_indices"] if fixed else torch.zeros(total + 1, dtype=torch.int32, device=dev)
     j = torch.arange(width, device=dev)
-    kv_len_dev = kv_len.to(dev, non_blocking=True)
+    kv_len_dev, starts = to_device(kv_len, dev), to_device(kv_indptr[:-1], dev)
     sink = len(kv_indices) - 1                                     # the unused columns of a row land here
-    dest = torch.where(j < kv_len_dev[:, None], kv_indptr[:-1].to(dev, non_blocking=True)[:, None] + j, sink)
+    dest = torch.where(j < kv_len_dev[:, None], starts[:, None] + j, sink)
     if fixed:                                                      # a graph's buffers: refreshed in place
         fixed["dest"].copy_(dest.flatten())
         fixed["kv_len"].copy_(kv_len_dev)
         dest, kv_len_dev = fixed["dest"], fixed["kv_len"]
-    p = dict(kv_indices=kv_indices, dest=dest.flatten(), kv_len=kv_len_dev, width=width, rows=T if fixed else None,
+    p = dict(kv_indices=kv_indices, dest=dest.flatten(), kv_len=kv_len_dev, width=width, state=st["key"],
              max_kv_len=int(kv_len.max()), scale=cfg.softmax_scale, qk_nope_head_dim=cfg.qk_nope_head_dim)
     if st["wrapper"] is not None:
         qo_indptr = torch.arange(T + 1, dtype=torch.int32)
@@ -167,17 +173,18 @@ def _replan(st, qo_indptr, kv_indptr, kv_indices, kv_len, cfg):
         kv_indptr, kv_len, cfg.n_heads, cfg.kv_lora_rank, False)
     if "fixed" in st:                        # a CUDA graph replays the captured workspace offsets: they must hold
         assert list(info) == list(be._plan_info), "flashinfer moved its plan's workspace under a CUDA graph"
-        be._kv_indptr_buf.copy_(kv_indptr)
+        be._kv_indptr_buf.copy_(to_device(kv_indptr, kv_indices.device))
     else:
         be._plan_info, be._kv_indices_buf = info, kv_indices
-        be._kv_indptr_buf, be._kv_len_arr_buf = kv_indptr.to(kv_indices.device), kv_len.to(kv_indices.device)
+        dev = kv_indices.device
+        be._kv_indptr_buf, be._kv_len_arr_buf = to_device(kv_indptr, dev), to_device(kv_len, dev)
     return True
 
 
 def sparse_mla(q_abs, q_pe, cache, slots, meta, scale):
     """Kernel of nano_nsa.sparse_mla: bf16 q and cache, fp32 softmax and accumulation, bf16 out."""
     p = meta.plan
-    st = _state[q_abs.device, p["rows"]]
+    st = _state[p["state"]]
     assert p is st["last"], "a step's plan was replaced before its layers ran (plan once per step)"
     assert slots.shape[1] == p["width"]
     p["kv_indices"].scatter_(0, p["dest"], slots.flatten().to(torch.int32))   # this layer's slots, packed rows

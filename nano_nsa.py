@@ -561,6 +561,12 @@ def hadamard(x: torch.Tensor) -> torch.Tensor:
 # ------------------------------------------------------------------------------------------------------------
 # Forward metadata and the per-layer cache view
 # ------------------------------------------------------------------------------------------------------------
+def to_device(x: torch.Tensor, device) -> torch.Tensor:
+    """Host -> device without waiting: a copy from pageable memory blocks the host until the GPU reaches it, so the
+    engine could never run ahead of the GPU. (torch reuses a pinned block only once its copy has run.)"""
+    return x.pin_memory().to(device, non_blocking=True) if torch.device(device).type == "cuda" else x.to(device)
+
+
 @dataclass
 class Meta:
     """Everything a forward pass needs to know about its batch; built once per step, shared by every layer.
@@ -585,9 +591,9 @@ class Meta:
         """Request b has rows for positions starts[b] .. starts[b] + lens[b] - 1."""
         dev = table.device
         positions = torch.cat([torch.arange(s, s + n) for s, n in zip(starts, lens)])
-        row_req = torch.repeat_interleave(torch.arange(len(lens)), torch.tensor(lens)).to(dev)
+        row_req = to_device(torch.repeat_interleave(torch.arange(len(lens)), torch.tensor(lens)), dev)
         cu = list(accumulate(lens, initial=0))
-        pos = positions.to(dev)
+        pos = to_device(positions, dev)
         return cls(mode, pos, table[row_req, pos], row_req, table, pos + 1, cu, positions + 1, int(positions.max()) + 1)
 
     def step(self, j):
@@ -1317,8 +1323,9 @@ class LLM:
         page, cuda = KVCache.bytes_per_token(cfg) * page_size, dev.type == "cuda"
         memory = torch.cuda.mem_get_info(dev)[1] if cuda else os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
         if kv_cache_bytes is not None and not 2 * page <= kv_cache_bytes <= memory:     # page 0: the dummy page
-            raise ValueError(f"kv_cache_bytes={kv_cache_bytes}: " + (f"less than two pages of the KV pool ({2 * page} "
-                             "bytes)" if kv_cache_bytes < 2 * page else f"more than the {memory} bytes of {dev.type} memory"))
+            raise ValueError(f"kv_cache_bytes={kv_cache_bytes}: " + (
+                f"less than two pages of the KV pool ({2 * page} bytes)" if kv_cache_bytes < 2 * page else
+                f"more than the {memory} bytes of {dev.type} memory"))
         self.model = model or load_model(model_dir, dev, kernels, cfg)  # model: built already (bench.py)
         self.announce = dev.type == "cuda"              # say once, at the first generate, which kernels run
         self.k, self.page_size, self.max_batch, self.max_prefill_tokens = mtp, page_size, max_batch, max_prefill_tokens
@@ -1347,7 +1354,7 @@ class LLM:
     def _table(self, reqs):
         """[B, N] slot of every position of each request (page size 1 view of the page tables)."""
         width = max(len(r.pages) for r in reqs)
-        pages = torch.tensor([r.pages + [0] * (width - len(r.pages)) for r in reqs]).to(self.device)
+        pages = to_device(torch.tensor([r.pages + [0] * (width - len(r.pages)) for r in reqs]), self.device)
         return (pages[:, :, None] * self.page_size + torch.arange(self.page_size, device=self.device)).flatten(1)
 
     def _reserve_or_preempt(self, reqs, n_positions):
@@ -1546,7 +1553,7 @@ class LLM:
             return
         B, L = len(reqs), [r.num_cached for r in reqs]
         meta = self._meta("verify" if k else "decode", reqs, L, k + 1)       # rows x_L, d_1..d_k at L..L+k
-        last = torch.tensor([r.tokens[-1] for r in reqs], device=self.device)
+        last = to_device(torch.tensor([r.tokens[-1] for r in reqs]), self.device)
         drafts = torch.stack([r.draft for r in reqs]) if k else last[:, None][:, :0]      # [B, k]
         h = self._forward("verify", torch.cat([last[:, None], drafts], 1).flatten(), meta)
         logits = self.model.logits(h).view(B, k + 1, -1)
@@ -1570,9 +1577,9 @@ class LLM:
         live = [b for b in range(B) if news[b]]
         if not k or not live:
             return
-        # draft-extend: the MTP layer over the verify rows, pairs (h_{L+j}, x_{L+j+1}); padding rows write the dummy slot
-        keep = torch.tensor([[j < len(new) for j in range(k + 1)] for new in news], device=self.device).flatten()
-        nxt = torch.tensor([new + [0] * (k + 1 - len(new)) for new in news], device=self.device).flatten()
+        # draft-extend: the MTP layer over the verify rows, pairs (h_{L+j}, x_{L+j+1}); padding rows: the dummy slot
+        keep = to_device(torch.tensor([[j < len(new) for j in range(k + 1)] for new in news]), self.device).flatten()
+        nxt = to_device(torch.tensor([new + [0] * (k + 1 - len(new)) for new in news]), self.device).flatten()
         hm = self._forward("extend", nxt, replace(meta, slots=torch.where(keep, meta.slots, 0)), h)
         self._draft([reqs[b] for b in live], hm[[b * (k + 1) + len(news[b]) - 1 for b in live]])
 
