@@ -8,6 +8,7 @@
 Random FP8 weights are generated on the GPU (random_model below); nothing is read from disk.
 """
 import argparse
+import gc
 import json
 import os
 import statistics
@@ -425,16 +426,50 @@ def decode(args, out):
                                                                                     if b == max(args.batch)))
         llm.cfg.eos_token_id = eos
         del llm, graphs
+        gc.collect()
     table(f"Decode rounds, Config.full(n_layers={args.layers}) + MTP layer, CUDA graphs; roofline = bytes the round "
           f"must read / measured HBM bandwidth ({bw / 1e12:.2f} TB/s) / round time",
           ["mtp", "bs", "ctx", "round ms", "tokens/round", "tokens/s", "GB/round", "roofline", "layers ms (graph)",
            "layers roofline", "experts/MoE layer"], [tuple(r.values()) for r in res])
     table("CUDA graphs vs eager (bs=1)", ["what", "eager ms", "graphs ms", "capture s", "graphs"],
           [(k_, *v.values()) for k_, v in extra.items() if k_.startswith("eager")])
+    verify_attention(out)
     extra["peak_gib"], extra["kv_bytes_per_token"] = torch.cuda.max_memory_allocated() / 2**30, \
         m.KVCache.bytes_per_token(cfg)
     print(f"peak GPU memory {extra['peak_gib']:.1f} GiB, KV {extra['kv_bytes_per_token']} B/token")
     out["decode"], out["decode_extra"] = res, extra
+
+
+def verify_attention(out):
+    """Attention of a verify step (4 rows of one request) at 4K and 32K context: through the decode path (each row
+    its own sparse CSR row over its top-k, as the engine runs it) vs a prefill-style path (the rows as one causal
+    chunk over the whole context in the per-head form, latents expanded through wkv_b, SDPA)."""
+    import kernels
+    cfg, res = m.Config.full(n_layers=2), []
+    H, C, R, D, V, K = cfg.n_heads, cfg.kv_lora_rank, cfg.qk_rope_head_dim, cfg.qk_nope_head_dim, cfg.v_head_dim, \
+        cfg.index_topk
+    for ctx in (4096, 32768):
+        meta, S = _rows(1, 4, ctx)
+        cache = m.LayerCache(torch.randn(S, C + R, device="cuda").to(m.BF16), torch.zeros(S, 128, device="cuda").to(
+            m.FP8), torch.ones(S, device="cuda"), C)
+        meta.plan = kernels.plan(meta, cfg)
+        sel = torch.stack([torch.randperm(ctx, device="cuda")[:K] for _ in range(4)])
+        slots = meta.table[0][sel]
+        q_abs, q_pe = torch.randn(4, H, C, device="cuda").to(m.BF16), torch.randn(4, H, R, device="cuda").to(m.BF16)
+        t_dec = cuda_time(lambda: kernels.sparse_mla(q_abs, q_pe, cache, slots, meta, cfg.softmax_scale))
+        w = (torch.randn(H, D + V, C, device="cuda") * 0.05).to(m.BF16)
+        q, ctx_slots = torch.randn(4, H, D + R, device="cuda").to(m.BF16), meta.table[0, :ctx + 4]
+
+        def prefill_style():
+            kvf = torch.einsum("nc,hec->nhe", cache.kv[ctx_slots], w)
+            k = torch.cat([kvf[..., :D], cache.pe[ctx_slots][:, None, :].expand(-1, H, -1)], -1)
+            return kernels.dense_attention(q, k, kvf[..., D:], cfg.softmax_scale)
+        t_pre = cuda_time(prefill_style)
+        res.append(dict(ctx=ctx, decode_rows_ms=t_dec, prefill_style_ms=t_pre, ratio=t_pre / t_dec))
+    table("Verify attention, 4 rows, one layer: decode rows (sparse, top-k each) vs prefill-style (one causal chunk, "
+          "per-head form, whole context)", ["ctx", "decode rows ms", "prefill-style ms", "prefill / decode"],
+          [tuple(r.values()) for r in res])
+    out["verify_attention"] = res
 
 
 def profile_replay(fn, n_layers, top=12):
@@ -528,7 +563,8 @@ def baseline(args, out):
             t0 = time.perf_counter()
             toks = [r.token_ids for r in llm.generate(prompts[:bs], max_new_tokens=N)]
             ours[bs] = toks, bs * N / (time.perf_counter() - t0)
-        del llm
+        del llm                                                      # (the engine and its graphs hold each other)
+        gc.collect()
         torch.cuda.empty_cache()
         hf_loadable(path)
         hf = transformers.AutoModelForCausalLM.from_pretrained(
@@ -546,6 +582,7 @@ def baseline(args, out):
             agree = [next((i for i, (a, b) in enumerate(zip(x, y)) if a != b), N) for x, y in zip(ours[bs][0], theirs)]
             res.append(dict(model=name, bs=bs, hf_tok_s=hf_tok_s, ours_tok_s=ours[bs][1], speedup=ours[bs][1] / hf_tok_s,
                             leading_equal=f"{statistics.mean(agree):.1f}/{N}", all_equal=sum(a == N for a in agree)))
+            print(res[-1], flush=True)
         del hf
         torch.cuda.empty_cache()
         shutil.rmtree(path)

@@ -1274,6 +1274,7 @@ class Request:
     prefill_target: int          # prefill positions [0, target): the prompt, or all but the last token if resumed
     num_cached: int = 0          # positions whose main-model KV is in the pool; decode phase: len(tokens) - 1
     pages: list = field(default_factory=list)
+    page_row: torch.Tensor = None    # `pages` as a tensor, rebuilt only when they change (long contexts: thousands)
     draft: list = None           # draft tokens for the next verify
     q: torch.Tensor = None       # [k, V] their draft distributions (sampling only)
     logits: list = field(default_factory=list)   # main-model logits rows of the emitted tokens (return_logits)
@@ -1349,12 +1350,16 @@ class LLM:
 
     def _release(self, req):
         self.free_pages += req.pages
-        req.pages = []
+        req.pages, req.page_row = [], None
 
     def _table(self, reqs):
         """[B, N] slot of every position of each request (page size 1 view of the page tables)."""
-        width = max(len(r.pages) for r in reqs)
-        pages = to_device(torch.tensor([r.pages + [0] * (width - len(r.pages)) for r in reqs]), self.device)
+        pages = torch.zeros(len(reqs), max(len(r.pages) for r in reqs), dtype=torch.long)
+        for b, r in enumerate(reqs):
+            if r.page_row is None or len(r.page_row) != len(r.pages):
+                r.page_row = torch.tensor(r.pages)
+            pages[b, :len(r.pages)] = r.page_row
+        pages = to_device(pages, self.device)
         return (pages[:, :, None] * self.page_size + torch.arange(self.page_size, device=self.device)).flatten(1)
 
     def _reserve_or_preempt(self, reqs, n_positions):
