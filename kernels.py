@@ -70,6 +70,22 @@ def _index_keys_kernel(q_ptr, w_ptr, k_ptr, ks_ptr, table_ptr, row_req_ptr, ctx_
     tl.store(out_ptr + t.to(tl.int64) * out_stride + n, key, mask=n < out_stride)
 
 
+_SYLVESTER = {}
+
+
+def index_quant(x):
+    """Kernel of nano_nsa.index_quant: the Hadamard transform as one fp32 GEMM with the +-1 Sylvester matrix (the
+    reference's 7-stage butterfly is ~30 small kernels), scaled and rounded to bf16 as the reference, then the
+    Triton act-quant."""
+    n = x.shape[-1]
+    if (n, x.device) not in _SYLVESTER:                  # built at the first (eager) call, before any graph capture
+        h = torch.ones(1, 1)
+        while h.shape[0] < n:
+            h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)])
+        _SYLVESTER[n, x.device] = h.to(x.device)
+    return act_quant(((x.float() @ _SYLVESTER[n, x.device]) * n ** -0.5).to(BF16))
+
+
 def index_topk(q8, w, cache, meta, k):
     """Kernel of nano_nsa.index_topk: rows flattened over (request x draft position), each scoring only the keys
     below its own causal length, through its request's page-table row; then top-min(k, N) per row."""
@@ -367,7 +383,7 @@ GPU_OPS = None                                 # filled in at the end of the fil
 def _gpu_ops():
     from types import SimpleNamespace
     return SimpleNamespace(name="kernels.py (flashinfer sparse MLA, Triton indexer / FP8 GEMM / MoE, SDPA prefill)",
-                           plan=plan, index_topk=index_topk, sparse_mla=sparse_mla, dense_attention=dense_attention,
+                           plan=plan, index_quant=index_quant, index_topk=index_topk, sparse_mla=sparse_mla, dense_attention=dense_attention,
                            fp8_linear=fp8_linear, dense_linear=dense_linear, moe=moe,
                            attn_dtype=lambda w: BF16, dense_dtype=lambda w: BF16)
 

@@ -631,6 +631,11 @@ class LayerCache:
 # ------------------------------------------------------------------------------------------------------------
 # Lightning indexer (DSA): picks the top-K context positions for every query row (spec 3.7)
 # ------------------------------------------------------------------------------------------------------------
+def index_quant(x):
+    """The indexer's q and k before scoring: Hadamard, then FP8 with one power-of-two scale per 128-vector."""
+    return act_quant(hadamard(x))
+
+
 def index_scores(q8, w, k8, ks):
     """I[t, n] = ks[n] * sum_h w[t, h] * relu(q8[t, h] . k8[n]), fp32 (the reference `fp8_index`).
     q8 [T, I, J] fp8; w [T, I] fp32 (head weight with the q scale folded in); k8 [T or 1, N, J]; ks [T or 1, N]."""
@@ -682,7 +687,7 @@ class Indexer(nn.Module):
         cfg, T, R = self.cfg, x.shape[0], self.cfg.qk_rope_head_dim
         k = self.k_norm(self.wk(x))                                                       # [T, J]
         k = torch.cat([rope(k[..., :R], cos, sin, interleaved=False), k[..., R:]], -1)   # rope on the FIRST R dims
-        k8, ks = act_quant(hadamard(k))                  # [T, J] fp8, [T, 1]
+        k8, ks = self.ops.index_quant(k)                 # Hadamard, then FP8: [T, J] fp8, [T, 1]
         cache.ik[meta.slots], cache.iks[meta.slots] = k8, ks[:, 0]
         if meta.dense(cfg.index_topk):                   # the whole context is selected: only the keys are needed
             return None
@@ -691,7 +696,7 @@ class Indexer(nn.Module):
             return torch.where(n < meta.ctx_lens[:, None], n, -1)
         q = self.wq_b(qr).view(T, cfg.index_n_heads, cfg.index_head_dim)                  # [T, I, J]
         q = torch.cat([rope(q[..., :R], cos, sin, interleaved=False), q[..., R:]], -1)
-        q8, qs = act_quant(hadamard(q))                  # [T, I, J] fp8, [T, I, 1]: one scale per head vector
+        q8, qs = self.ops.index_quant(q)                 # [T, I, J] fp8, [T, I, 1]: one scale per head vector
         w = self.weights_proj(x) * cfg.index_n_heads ** -0.5 * qs[..., 0] * cfg.index_head_dim ** -0.5  # [T, I]
         return self.ops.index_topk(q8, w, cache, meta, cfg.index_topk)
 
@@ -885,6 +890,7 @@ class MTP(nn.Module):
 TORCH_OPS = SimpleNamespace(
     name="torch reference",
     plan=lambda meta, cfg: None,          # (kernels: the attention schedule of a step's rows, made once per step)
+    index_quant=index_quant,              # indexer q / k: Hadamard + FP8 quantization     (Indexer)
     index_topk=index_topk,                # indexer scores + causal mask + top-k           (Indexer)
     sparse_mla=sparse_mla,                # absorbed sparse attention, one row per token  (MLA: decode/verify/long)
     dense_attention=dense_attention,      # causal per-head attention of short prompts     (MLA: prefill)
