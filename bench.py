@@ -1,11 +1,12 @@
 """bench.py: nano-nsa measured on a GPU. Prints the device, a table per part, and one JSON line at the end.
 
-  python bench.py attention      # kernel micro-benchmarks: indexer, sparse MLA rows, plan() cost, dense-vs-sparse
-  python bench.py fp8            # FP8 linears and the grouped MoE at decode shapes, vs the HBM roofline
-  python bench.py checkpoint     # write + load the full-width 2-layer checkpoint (31 GB), prefill, MTP decode
-  python bench.py long-prompt    # a 32K-token prompt on the full-width attention shapes: prefill, then MTP decode
+  python bench.py decode --layers 9 --mtp 0 1 3   # decode rounds on the full-width model: batch 1-64, context 1K-128K,
+                                                  # MTP off/on, roofline, CUDA graphs vs eager, verify cost, metadata
+  python bench.py baseline                        # HF transformers vs nano-nsa on the same checkpoints on disk
+  python bench.py fp8                             # FP8 linears and the grouped MoE at decode shapes, vs the roofline
 
-Random FP8 weights are generated on the GPU (random_model below); nothing is read from disk.
+Random FP8 weights are generated on the GPU (random_model below). The attention micro-benchmarks, the checkpoint
+write/load and the 32K-prompt runs quoted in the README came from this file at commit 4a9f43d.
 """
 import argparse
 import gc
@@ -90,64 +91,6 @@ def _rows(B, rows, ctx, S_extra=64):
     return m.Meta.build("verify", [ctx] * B, [rows] * B, table_), B * (ctx + rows) + S_extra
 
 
-def attention(args, out):
-    import kernels
-    cfg = m.Config.full(n_layers=2)
-    H, C, R, K = cfg.n_heads, cfg.kv_lora_rank, cfg.qk_rope_head_dim, cfg.index_topk
-    res = []
-    for B, rows, ctx in [(1, 1, 1024), (1, 1, 32768), (1, 1, 131072), (1, 4, 32768), (16, 1, 32768), (64, 1, 4096),
-                         (64, 4, 4096)]:
-        meta, S = _rows(B, rows, ctx)
-        T = B * rows
-        cache = m.LayerCache(torch.randn(S, C + R, device="cuda").to(m.BF16),
-                             (torch.randn(S, 128, device="cuda") * 8).to(m.FP8),
-                             torch.rand(S, device="cuda") + 0.5, C)
-        q8 = (torch.randn(T, 64, 128, device="cuda") * 8).to(m.FP8)
-        w = torch.randn(T, 64, device="cuda")
-        t_idx = cuda_time(lambda: kernels.index_topk(q8, w, cache, meta, K))
-        t_plan = host_time(lambda: kernels.plan(meta, cfg))
-        meta.plan = kernels.plan(meta, cfg)
-        sel = kernels.index_topk(q8, w, cache, meta, K)
-        slots = torch.where(sel >= 0, meta.table[meta.row_req[:, None], sel.clamp(min=0)], -1)
-        q_abs, q_pe = torch.randn(T, H, C, device="cuda").to(m.BF16), torch.randn(T, H, R, device="cuda").to(m.BF16)
-        t_mla = cuda_time(lambda: kernels.sparse_mla(q_abs, q_pe, cache, slots, meta, cfg.softmax_scale))
-        idx_bytes = T * ctx * (128 + 4)                     # FP8 keys + scales each row reads
-        mla_bytes = T * min(K, ctx) * (C + R) * 2            # gathered bf16 latent rows
-        res.append(dict(B=B, rows=rows, ctx=ctx, indexer_ms=t_idx, indexer_TBps=idx_bytes / t_idx / 1e9,
-                        sparse_mla_ms=t_mla, mla_TBps=mla_bytes / t_mla / 1e9, plan_ms=t_plan))
-    table("Attention kernels per layer (indexer: Triton scores + top-k; sparse MLA: flashinfer FA3; plan: host)",
-          ["B", "rows/req", "ctx", "indexer ms", "indexer TB/s", "sparse MLA ms", "MLA TB/s", "plan ms (host)"],
-          [tuple(r.values()) for r in res])
-    out["attention"] = res
-    # dense (per-head SDPA, latents expanded through wkv_b) vs sparse rows for a fresh prompt of S tokens
-    w_abs = torch.randn(H, 256, C, device="cuda").to(m.BF16) * 0.05
-    cross = []
-    for S in (128, 512, 1024, 2048):
-        meta, NS = _rows(1, S, 0)
-        meta = m.Meta.build("prefill", [0], [S], meta.table)
-        cache = m.LayerCache(torch.randn(NS, C + R, device="cuda").to(m.BF16), None, None, C)
-        q_nope, q_pe = torch.randn(S, H, 128, device="cuda").to(m.BF16), torch.randn(S, H, R, device="cuda").to(m.BF16)
-        ctx = meta.table[0, :S]
-
-        def dense():
-            kvf = torch.einsum("nc,hec->nhe", cache.kv[ctx], w_abs)
-            k = torch.cat([kvf[..., :128], cache.pe[ctx][:, None, :].expand(-1, H, -1)], -1)
-            return kernels.dense_attention(torch.cat([q_nope, q_pe], -1), k, kvf[..., 128:], cfg.softmax_scale)
-        vmeta = m.Meta.build("verify", [0], [S], meta.table)
-        vmeta.plan = kernels.plan(vmeta, cfg)
-        n = torch.arange(S, device="cuda")
-        slots = torch.where(n <= n[:, None], meta.table[0, n][None, :].expand(S, -1), -1)
-
-        def sparse():
-            q_abs = torch.einsum("thd,hdc->thc", q_nope, w_abs[:, :128])
-            o = kernels.sparse_mla(q_abs, q_pe, cache, slots, vmeta, cfg.softmax_scale)
-            return torch.einsum("thc,hvc->thv", o, w_abs[:, 128:])
-        cross.append((S, cuda_time(dense), cuda_time(sparse) + host_time(lambda: kernels.plan(vmeta, cfg), 3)))
-    table("Prompt chunk attention, one layer: dense per-head (SDPA) vs sparse absorbed rows (FA3, plan incl.)",
-          ["prompt tokens", "dense ms", "sparse rows ms"], cross)
-    out["prefill_crossover"] = cross
-
-
 def hbm_bandwidth():
     """Device-to-device copy of 2 GiB, counting bytes read and written: the ceiling the kernels are held to."""
     a = torch.empty(1 << 31, dtype=torch.uint8, device="cuda")
@@ -219,70 +162,6 @@ def scaled_mm_time(x, w, s, t_triton):
     ref = m.fp8_linear(x, w, s).float()
     t = graph_time(fn)
     return (t * 1e3, t / t_triton, f"{((y - ref).norm() / ref.norm()).item():.1e}")
-
-
-def checkpoint(args, out):
-    """The full-width checkpoint through the real writer and loader: write Config.full(n_layers=2) (1 dense + 1 MoE
-    layer with 256 experts, + the MTP layer) to disk, load it to the GPU, prefill a prompt and decode with MTP."""
-    import shutil
-    cfg, path = m.Config.full(n_layers=2), "/tmp/nano-nsa-full2"
-    t0 = time.perf_counter()
-    m.save_random_checkpoint(path, cfg, device="cuda")
-    t_write = time.perf_counter() - t0
-    gb = sum(os.path.getsize(os.path.join(path, f)) for f in os.listdir(path)) / 1e9
-    res = []
-    for mtp in (1, 3):
-        torch.cuda.empty_cache()
-        torch.cuda.reset_peak_memory_stats()
-        t0 = time.perf_counter()
-        llm = m.LLM(path, device="cuda", mtp=mtp, kv_cache_bytes=4 << 30)
-        torch.cuda.synchronize()
-        t_load = time.perf_counter() - t0
-        ids = torch.randint(6, cfg.vocab_size, (args.prompt,), generator=torch.Generator().manual_seed(1)).tolist()
-        stamps = []
-        t0 = time.perf_counter()
-        r = llm.generate([ids], max_new_tokens=args.new_tokens,
-                         on_tokens=lambda i, t: stamps.append(time.perf_counter()))[0]
-        t_end = time.perf_counter()
-        res.append(dict(mtp=mtp, write_s=t_write, GB=gb, load_s=t_load, prefill_s=stamps[0] - t0,
-                        decode_tok_s=(len(r.token_ids) - 1) / (t_end - stamps[0]),
-                        peak_gib=torch.cuda.max_memory_allocated() / 2**30))
-        del llm
-    shutil.rmtree(path)
-    table(f"Full-width 2-layer checkpoint through the writer and loader ({args.prompt}-token prompt)",
-          list(res[0]), [tuple(r.values()) for r in res])
-    out["checkpoint"] = res
-
-
-def long_prompt(args, out):
-    cfg = m.Config.full(n_layers=args.layers)
-    t0 = time.perf_counter()
-    model = random_model(cfg, "cuda", kernels=args.kernels)
-    torch.cuda.synchronize()
-    t_build = time.perf_counter() - t0
-    tok_dir = tempfile.mkdtemp()
-    m.write_byte_tokenizer(tok_dir, cfg.vocab_size)
-    res = []
-    for mtp in args.mtp:
-        llm = m.LLM(tok_dir, device="cuda", mtp=mtp, model=model, kv_cache_bytes=args.kv_gib << 30)
-        ids = torch.randint(6, cfg.vocab_size, (args.context,), generator=torch.Generator().manual_seed(0)).tolist()
-        stamps = []
-        torch.cuda.reset_peak_memory_stats()
-        t0 = time.perf_counter()
-        r = llm.generate([ids], max_new_tokens=args.new_tokens, raw=True,
-                         on_tokens=lambda i, toks: stamps.append((time.perf_counter(), len(toks))))[0]
-        t_end = time.perf_counter()
-        prefill = stamps[0][0] - t0
-        decode = t_end - stamps[0][0]
-        res.append(dict(mtp=mtp, context=args.context, prefill_s=prefill, prefill_tok_s=args.context / prefill,
-                        decode_s=decode, decode_tok_s=(len(r.token_ids) - 1) / decode,
-                        mean_accept=llm.stats["mean_accept_length"],
-                        peak_gib=torch.cuda.max_memory_allocated() / 2**30))
-    table(f"{args.context}-token prompt, Config.full(n_layers={args.layers}) + MTP (random weights built on the GPU in "
-          f"{t_build:.1f} s), kernels={model.ops.name}",
-          ["mtp", "context", "prefill s", "prefill tok/s", "decode s", "decode tok/s", "mean accepted", "peak GiB"],
-          [tuple(r.values()) for r in res])
-    out["long_prompt"] = res
 
 
 def decode_batch(llm, bs, ctx, rounds, seed=0):
@@ -595,14 +474,10 @@ def baseline(args, out):
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("what", choices=["attention", "fp8", "checkpoint", "long-prompt", "decode", "baseline"], nargs="+")
-    ap.add_argument("--prompt", type=int, default=1024)
-    ap.add_argument("--context", type=int, default=32768)
-    ap.add_argument("--layers", type=int, default=3)
+    ap.add_argument("what", choices=["fp8", "decode", "baseline"], nargs="+")
+    ap.add_argument("--layers", type=int, default=9, help="main-model layers of Config.full (decode)")
     ap.add_argument("--new-tokens", type=int, default=32)
-    ap.add_argument("--mtp", type=int, nargs="+", default=[1, 3])
-    ap.add_argument("--kv-gib", type=int, default=8)
-    ap.add_argument("--kernels", default="gpu", choices=["gpu", "torch"])
+    ap.add_argument("--mtp", type=int, nargs="+", default=[0, 1, 3])
     ap.add_argument("--batch", type=int, nargs="+", default=[1, 4, 16, 64])
     ap.add_argument("--contexts", type=int, nargs="+", default=[1024, 32768])
     ap.add_argument("--long", type=int, nargs="*", default=[131072], help="contexts measured at batch 1 only")
@@ -613,8 +488,7 @@ def main():
     out = dict(device=torch.cuda.get_device_name(), date=time.strftime("%Y-%m-%d"), torch=torch.__version__)
     print(f"device: {out['device']}, torch {out['torch']}, {out['date']}")
     for what in args.what:
-        dict(attention=attention, fp8=fp8, checkpoint=checkpoint, decode=decode, baseline=baseline,
-             **{"long-prompt": long_prompt})[what](args, out)
+        dict(fp8=fp8, decode=decode, baseline=baseline)[what](args, out)
     print(json.dumps(out))
 
 
