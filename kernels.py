@@ -168,9 +168,10 @@ def plan(meta, cfg):
         if st["last"] is None or not _replan(st, qo_indptr, kv_indptr, kv_indices, kv_len, cfg):
             from flashinfer.mla._batch_mla._contracts import MLAPlanMetadata
             st["wrapper"].plan(metadata=MLAPlanMetadata.csr(qo_indptr, kv_indptr, kv_indices, kv_len),
-                               num_heads=cfg.n_heads, head_dim_ckv=cfg.kv_lora_rank, head_dim_kpe=cfg.qk_rope_head_dim,
-                               page_size=1, causal=False, sm_scale=cfg.softmax_scale, q_data_type=BF16,
-                               kv_data_type=BF16, query_layout="split", kv_cache_layout="split")
+                               num_heads=cfg.n_heads // _ranks(), head_dim_ckv=cfg.kv_lora_rank,
+                               head_dim_kpe=cfg.qk_rope_head_dim, page_size=1, causal=False,
+                               sm_scale=cfg.softmax_scale, q_data_type=BF16, kv_data_type=BF16,
+                               query_layout="split", kv_cache_layout="split")
         st["event"] = torch.cuda.Event()
         st["event"].record()
     st["last"], st["lens"] = p, kv_len
@@ -186,7 +187,7 @@ def _replan(st, qo_indptr, kv_indptr, kv_indices, kv_len, cfg):
         return False
     info, _ = be._cached_module.plan_with_staged_workspace_bytes(
         be._float_workspace_buffer, be._int_workspace_buffer, be._pin_memory_int_workspace_buffer, qo_indptr,
-        kv_indptr, kv_len, cfg.n_heads, cfg.kv_lora_rank, False)
+        kv_indptr, kv_len, cfg.n_heads // _ranks(), cfg.kv_lora_rank, False)
     if "fixed" in st:                        # a CUDA graph replays the captured workspace offsets: they must hold
         assert list(info) == list(be._plan_info), "flashinfer moved its plan's workspace under a CUDA graph"
         be._kv_indptr_buf.copy_(to_device(kv_indptr, kv_indices.device))
@@ -195,6 +196,10 @@ def _replan(st, qo_indptr, kv_indptr, kv_indices, kv_len, cfg):
         dev = kv_indices.device
         be._kv_indptr_buf, be._kv_len_arr_buf = to_device(kv_indptr, dev), to_device(kv_len, dev)
     return True
+
+
+def _ranks():                                 # tensor parallel: each rank attends with its own heads only
+    return torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
 
 
 def sparse_mla(q_abs, q_pe, cache, slots, meta, scale):
@@ -341,15 +346,16 @@ def moe(x, weights, idx, w13, s13, w2, s2):
     """Kernel of nano_nsa.moe_experts, with no host synchronization: the (token, expert) pairs are sorted by
     expert into blocks of block_m rows (each expert's rows padded to whole blocks, so a block reads one expert's
     weights, and an expert with at most block_m rows reads its weights once); one grouped FP8 GEMM for w1|w3,
-    SiLU-and-multiply, act-quant, one grouped GEMM for w2, then the weighted sum back into token rows."""
+    SiLU-and-multiply, act-quant, one grouped GEMM for w2, then the weighted sum back into token rows.
+    Expert parallel: idx E (another rank's expert) is sorted into blocks of expert -1, which the GEMMs skip."""
     T, A = idx.shape
     E, I2, dim = w13.shape
     P = T * A
     bm = 16 if P <= 64 * 16 else 64
-    n_blocks = min(E, P) + triton.cdiv(P, bm)                 # an upper bound on the padded blocks, known on host
+    n_blocks = min(E + 1, P) + triton.cdiv(P, bm)             # an upper bound on the padded blocks, known on host
     flat = idx.flatten()
     order = flat.argsort(stable=True)
-    counts = torch.zeros(E, dtype=torch.int64, device=x.device).index_add_(0, flat, torch.ones_like(flat))  # no sync
+    counts = torch.zeros(E + 1, dtype=torch.int64, device=x.device).index_add_(0, flat, torch.ones_like(flat))
     padded = (counts + bm - 1) // bm * bm
     pad_end, cnt_end = padded.cumsum(0), counts.cumsum(0)
     e_sorted = flat[order]

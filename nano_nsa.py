@@ -30,6 +30,7 @@ from types import SimpleNamespace
 from numbers import Integral, Real
 
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
@@ -127,6 +128,22 @@ class Config:
         why = next((why for ok, why in rules if not ok), None)
         if why:
             raise ValueError(why)
+
+    def check_tp(self, n):
+        """Refuse a tensor-parallel size n (ranks) that would split a head, an expert or the vocabulary unevenly, or
+        cut a 128x128 FP8 block across ranks: each rank's rows of q_b / kv_b / w1 / w3 and columns of o_proj / w2."""
+        H, qk, D, V = self.n_heads, self.qk_head_dim, self.qk_nope_head_dim, self.v_head_dim
+        rules = [("n_heads", H, n), ("n_routed_experts", self.n_routed_experts, n), ("vocab_size", self.vocab_size, n),
+                 ("q_b_proj rows (n_heads * qk_head_dim)", H * qk, n * BLOCK),
+                 ("kv_b_proj rows (n_heads * (qk_nope_head_dim + v_head_dim))", H * (D + V), n * BLOCK),
+                 ("o_proj columns (n_heads * v_head_dim)", H * V, n * BLOCK),
+                 ("inter_dim", self.inter_dim if self.n_dense_layers else 0, n * BLOCK),
+                 ("shared expert width (moe_inter_dim * n_shared_experts)", self.moe_inter_dim * self.n_shared_experts,
+                  n * BLOCK)]
+        for what, v, d in rules:
+            if v % d:
+                raise ValueError(f"tensor parallel size {n}: {what} = {v} must be a multiple of {d}"
+                                 + (f" (whole {BLOCK}-wide FP8 blocks per rank)" if d > n else ""))
 
     LOW = dict(n_dense_layers=0, n_mtp_layers=0, bos_token_id=0, eos_token_id=0, rope_theta=1.0, mscale=-math.inf)
 
@@ -296,18 +313,23 @@ MTP_OWN = {"embed_tokens", "enorm", "hnorm", "eh_proj", "shared_head"}   # MTP-l
 EXPERT = re.compile(r"(.*\.experts)\.(\d+)\.(w[123])\.(weight|scale)$")
 
 
-def load_target(params, cfg: Config, hf_name: str) -> torch.Tensor:
+def load_target(params, cfg: Config, hf_name: str):
     """The model tensor a checkpoint tensor is loaded into: its parameter, or for a routed expert its slice of the
-    stacked weights (gate_proj -> w13[e, :I], up_proj -> w13[e, I:], down_proj -> w2[e])."""
+    stacked weights (gate_proj -> w13[e, :I], up_proj -> w13[e, I:], down_proj -> w2[e]); None for an expert that
+    another rank holds (rank r: experts r * E_r .. (r + 1) * E_r - 1)."""
     key = ours_name(cfg, hf_name)
     hit = EXPERT.match(key)
     if not hit:
         return params[key]
     base, e, w, kind = hit.groups()
+    n = params[f"{base}.w2.{kind}"].shape[0]                                 # experts on this rank
+    e = int(e) - tp_rank() * n
+    if not 0 <= e < n:
+        return None
     if w == "w2":
-        return params[f"{base}.w2.{kind}"][int(e)]
+        return params[f"{base}.w2.{kind}"][e]
     rows = cfg.moe_inter_dim // (BLOCK if kind == "scale" else 1)
-    return params[f"{base}.w13.{kind}"][int(e)].narrow(0, rows * (w == "w3"), rows)
+    return params[f"{base}.w13.{kind}"][e].narrow(0, rows * (w == "w3"), rows)
 
 
 def ours_name(cfg: Config, hf_name: str) -> str:
@@ -407,6 +429,57 @@ def save_random_checkpoint(path, config: Config, seed: int = 0, shard_bytes: int
 
 
 # ------------------------------------------------------------------------------------------------------------
+# Tensor and expert parallelism (torchrun): every rank holds a shard of the weights and runs the same schedule
+# ------------------------------------------------------------------------------------------------------------
+# Split by rank: MLA heads (q_b / kv_b rows, o_proj columns), dense MLP and shared expert (w1 / w3 rows, w2 columns),
+# routed experts (whole, by index range), vocabulary (embedding and head rows). Replicated: everything else, the
+# indexer and the latent KV cache included, so every rank computes the same selection. One all-reduce per block
+# half (Block), one all-gather of the logits; sampling then runs identically on every rank (same seeds).
+def init_distributed(device: torch.device) -> torch.device:
+    """Under torchrun (WORLD_SIZE > 1): join the process group once (NCCL on CUDA, gloo on CPU); a CUDA rank takes
+    GPU LOCAL_RANK."""
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        if device.type == "cuda":
+            device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+            torch.cuda.set_device(device)
+        if not dist.is_initialized():
+            dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+    return device
+
+
+def tp_size():
+    """The number of ranks the model is split over (1 without torchrun)."""
+    return dist.get_world_size() if dist.is_initialized() else 1
+
+
+def tp_rank():
+    return dist.get_rank() if dist.is_initialized() else 0
+
+
+def all_reduce(x, op=dist.ReduceOp.SUM):
+    """x summed (or op) over ranks, in place; nothing at one rank."""
+    if tp_size() > 1:
+        dist.all_reduce(x, op)
+    return x
+
+
+def all_gather(x):
+    """x [..., n] of every rank concatenated in rank order -> [..., ranks * n] (the vocabulary slices of logits)."""
+    if tp_size() == 1:
+        return x
+    parts = [torch.empty_like(x) for _ in range(tp_size())]
+    dist.all_gather(parts, x.contiguous())
+    return torch.cat(parts, -1)
+
+
+def rank_slice(full, part):
+    """The index of this rank's part of a checkpoint tensor of shape `full`, for a parameter of shape `part`: along
+    the dimension the layer split (where part is smaller), the rank-th block of that size; the rest whole."""
+    r = tp_rank()
+    return tuple(slice(None) if f == p else slice(r * p, r * p + p) for f, p in zip(full, part))
+
+
+# ------------------------------------------------------------------------------------------------------------
 # Building blocks: FP8 activation quantization and linear, norms, YaRN RoPE, Hadamard
 # ------------------------------------------------------------------------------------------------------------
 def pow2_ceil(x: torch.Tensor) -> torch.Tensor:
@@ -461,11 +534,15 @@ def dense_linear(x, w):
 
 class Linear(nn.Module):
     """x W^T. fp8=True: float8_e4m3fn weight + float32 `scale` per 128x128 block; else a plain `dtype` weight.
-    n: a stack of n such weights (the routed experts), [n, out, in]; the MoE kernel reads them, not forward."""
+    n: a stack of n such weights (the routed experts), [n, out, in]; the MoE kernel reads them, not forward.
+    split: 'col' this rank holds out_features / ranks rows (its slice of the output), 'row' in_features / ranks
+    columns (its input is a slice; the output a partial sum that the caller all-reduces), None all of it."""
     ops = None                   # bound once by Transformer.bind (fp8_linear / dense_linear)
 
-    def __init__(self, in_features, out_features, fp8=True, dtype=BF16, n=None):
+    def __init__(self, in_features, out_features, fp8=True, dtype=BF16, n=None, split=None):
         super().__init__()
+        out_features //= tp_size() if split == "col" else 1
+        in_features //= tp_size() if split == "row" else 1
         stack = [n] if n else []
         self.weight = _param(*stack, out_features, in_features, dtype=FP8 if fp8 else dtype)
         self.scale = _param(*stack, -(-out_features // BLOCK), -(-in_features // BLOCK), dtype=torch.float32) \
@@ -503,12 +580,15 @@ class LayerNorm(nn.Module):
 
 
 class Embedding(nn.Module):
+    """Vocabulary-parallel: a rank holds vocab / ranks rows; tokens outside them add zeros to the all-reduce."""
     def __init__(self, vocab, dim):
         super().__init__()
-        self.weight = _param(vocab, dim, dtype=BF16)
+        self.weight = _param(vocab // tp_size(), dim, dtype=BF16)
 
     def forward(self, tokens):
-        return F.embedding(tokens, self.weight)
+        local = tokens - tp_rank() * self.weight.shape[0]
+        mine = (local >= 0) & (local < self.weight.shape[0])
+        return all_reduce(F.embedding(local.clamp(0, self.weight.shape[0] - 1), self.weight) * mine[..., None])
 
 
 def yarn_freqs(cfg: Config) -> torch.Tensor:
@@ -733,19 +813,20 @@ class MLA(nn.Module):
     def __init__(self, cfg: Config):
         super().__init__()
         self.cfg = cfg
-        H = cfg.n_heads
+        H = cfg.n_heads              # split over ranks: q_b / kv_b rows and o_proj columns of this rank's heads
         self.wq_a = Linear(cfg.dim, cfg.q_lora_rank)
         self.q_norm = RMSNorm(cfg.q_lora_rank, cfg.eps)
-        self.wq_b = Linear(cfg.q_lora_rank, H * cfg.qk_head_dim)
+        self.wq_b = Linear(cfg.q_lora_rank, H * cfg.qk_head_dim, split="col")
         self.wkv_a = Linear(cfg.dim, cfg.kv_lora_rank + cfg.qk_rope_head_dim)
         self.kv_norm = RMSNorm(cfg.kv_lora_rank, cfg.eps)
-        self.wkv_b = Linear(cfg.kv_lora_rank, H * (cfg.qk_nope_head_dim + cfg.v_head_dim))
-        self.wo = Linear(H * cfg.v_head_dim, cfg.dim)
+        self.wkv_b = Linear(cfg.kv_lora_rank, H * (cfg.qk_nope_head_dim + cfg.v_head_dim), split="col")
+        self.wo = Linear(H * cfg.v_head_dim, cfg.dim, split="row")
         self.indexer = Indexer(cfg)
 
     def forward(self, x, cos, sin, meta: Meta, cache: LayerCache):
+        """-> this rank's heads' part of the output projection [T, dim] (Block sums it over ranks)."""
         cfg, T = self.cfg, x.shape[0]
-        H, D, R, C = cfg.n_heads, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.kv_lora_rank
+        H, D, R, C = cfg.n_heads // tp_size(), cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.kv_lora_rank
         qr = self.q_norm(self.wq_a(x))                                   # [T, q_lora]; shared with the indexer
         q_nope, q_pe = self.wq_b(qr).view(T, H, D + R).split([D, R], -1)  # [T, H, D], [T, H, R]
         q_pe = rope(q_pe, cos, sin, interleaved=True)
@@ -779,9 +860,11 @@ class MLA(nn.Module):
 # Feed-forward: SwiGLU MLP and the sigmoid-routed, group-limited MoE (spec 3.4, 3.9)
 # ------------------------------------------------------------------------------------------------------------
 class MLP(nn.Module):
+    """SwiGLU; each rank holds inter_dim / ranks of it, so its output is a partial sum (Block all-reduces it)."""
     def __init__(self, dim, inter_dim):
         super().__init__()
-        self.w1, self.w2, self.w3 = Linear(dim, inter_dim), Linear(inter_dim, dim), Linear(dim, inter_dim)
+        self.w1, self.w3 = Linear(dim, inter_dim, split="col"), Linear(dim, inter_dim, split="col")
+        self.w2 = Linear(inter_dim, dim, split="row")
 
     def forward(self, x):
         return self.w2((F.silu(self.w1(x).float()) * self.w3(x).float()).to(BF16))
@@ -813,7 +896,7 @@ def moe_experts(x, weights, idx, w13, s13, w2, s2):
     MoE kernel. x [T, dim] bf16; weights, idx [T, A]; w13 [E, 2I, dim] (w1 | w3 fused), w2 [E, dim, I] FP8 with
     their block scales -> [T, dim] fp32. Each expert used is one SwiGLU MLP over the tokens that chose it."""
     y, inter = torch.zeros(x.shape, dtype=torch.float32, device=x.device), w2.shape[2]
-    for e in idx.unique().tolist():                                                   # expert order 0..E-1
+    for e in idx[idx < len(w13)].unique().tolist():        # expert order 0..E-1; idx E: another rank's, skipped
         tok, j = (idx == e).nonzero(as_tuple=True)
         h = fp8_linear(x[tok], w13[e], s13[e])                                        # [n, 2I] bf16
         h = (F.silu(h[:, :inter].float()) * h[:, inter:].float()).to(BF16)
@@ -827,16 +910,20 @@ class MoE(nn.Module):
     def __init__(self, cfg: Config):
         super().__init__()
         self.gate = Gate(cfg)
-        E, inter = cfg.n_routed_experts, cfg.moe_inter_dim
+        E, inter = cfg.n_routed_experts // tp_size(), cfg.moe_inter_dim       # this rank's experts (expert parallel)
         self.experts = nn.Module()   # stacked: w13 = w1 | w3 fused [E, 2I, dim]; w2 [E, dim, I] (see load_target)
         self.experts.w13, self.experts.w2 = Linear(cfg.dim, 2 * inter, n=E), Linear(inter, cfg.dim, n=E)
         self.shared_experts = MLP(cfg.dim, cfg.moe_inter_dim * cfg.n_shared_experts)
 
     def forward(self, x):
-        w, idx = self.gate(x)                                                              # [T, A] each
-        ex = self.experts
+        """-> this rank's part of the output, fp32 [T, dim]: its routed experts' weighted sum plus its slice of the
+        shared expert (Block sums the parts over ranks, then rounds once, as a single rank does)."""
+        w, idx = self.gate(x)                                                              # [T, A] each (replicated)
+        ex, E = self.experts, self.experts.w13.weight.shape[0]
+        first = tp_rank() * E                                     # this rank holds experts first .. first + E - 1
+        idx = torch.where((idx >= first) & (idx < first + E), idx - first, E)   # E: another rank's, skipped
         y = self.ops.moe(x, w, idx, ex.w13.weight, ex.w13.scale, ex.w2.weight, ex.w2.scale)   # fp32 accumulation
-        return (y + self.shared_experts(x).float()).to(BF16)
+        return y + self.shared_experts(x).float()
 
 
 # ------------------------------------------------------------------------------------------------------------
@@ -851,9 +938,9 @@ class Block(nn.Module):
 
     def forward(self, x, residual, cos, sin, meta, cache):
         x, residual = (self.attn_norm(x), x) if residual is None else self.attn_norm(x, residual)
-        x = self.attn(x, cos, sin, meta, cache)
+        x = all_reduce(self.attn(x, cos, sin, meta, cache))            # each rank's heads' part, summed over ranks
         x, residual = self.ffn_norm(x, residual)
-        return self.ffn(x), residual
+        return all_reduce(self.ffn(x)).to(BF16), residual              # MoE parts are fp32: rounded once, after
 
 
 class MTP(nn.Module):
@@ -868,7 +955,7 @@ class MTP(nn.Module):
         self.block = Block(cfg, moe=True)
         self.shared_head = nn.Module()
         self.shared_head.norm = RMSNorm(cfg.dim, cfg.eps)
-        self.shared_head.head = Linear(cfg.dim, cfg.vocab_size, fp8=False, dtype=torch.float32)
+        self.shared_head.head = Linear(cfg.dim, cfg.vocab_size, fp8=False, dtype=torch.float32, split="col")
 
     def forward(self, next_tokens, h, meta: Meta, cache: LayerCache):
         """next_tokens [T] (t_{i+1}), h [T, dim] main hidden at i after the final norm -> normed hidden [T, dim].
@@ -879,7 +966,7 @@ class MTP(nn.Module):
         return self.shared_head.norm(x, residual)[0]                  # also the input of the next draft step
 
     def logits(self, h):
-        return self.shared_head.head(h)                               # fp32 [T, vocab]
+        return all_gather(self.shared_head.head(h))                   # fp32 [T, vocab] (vocabulary slices joined)
 
 
 # ------------------------------------------------------------------------------------------------------------
@@ -906,11 +993,12 @@ class Transformer(nn.Module):
 
     def __init__(self, cfg: Config):
         super().__init__()
+        cfg.check_tp(tp_size())
         self.cfg = cfg
         self.embed = Embedding(cfg.vocab_size, cfg.dim)
         self.layers = nn.ModuleList(Block(cfg, moe=i >= cfg.n_dense_layers) for i in range(cfg.n_layers))
         self.norm = RMSNorm(cfg.dim, cfg.eps)
-        self.head = Linear(cfg.dim, cfg.vocab_size, fp8=False, dtype=torch.float32)   # fp32, as [R]
+        self.head = Linear(cfg.dim, cfg.vocab_size, fp8=False, dtype=torch.float32, split="col")   # fp32, as [R]
         self.mtp = nn.ModuleList(MTP(cfg) for _ in range(cfg.n_mtp_layers))
 
     def bind(self, ops):
@@ -923,7 +1011,7 @@ class Transformer(nn.Module):
                 mod.weight.data = mod.weight.data.to(ops.dense_dtype(mod.weight))
             if isinstance(mod, MLA):        # wkv_b dequantized once, split per head into W_UK | W_UV
                 w = weight_dequant(mod.wkv_b.weight, mod.wkv_b.scale).to(ops.attn_dtype(mod.wkv_b.weight))
-                mod.wkv_b_abs = w.view(cfg.n_heads, cfg.qk_nope_head_dim + cfg.v_head_dim, cfg.kv_lora_rank)
+                mod.wkv_b_abs = w.view(-1, cfg.qk_nope_head_dim + cfg.v_head_dim, cfg.kv_lora_rank)  # local heads
         return self
 
     def _plan(self, meta: Meta):
@@ -941,7 +1029,7 @@ class Transformer(nn.Module):
         return self.norm(h, residual)[0]
 
     def logits(self, h):
-        return self.head(h)                                           # fp32 [T, vocab]
+        return all_gather(self.head(h))                               # fp32 [T, vocab] (vocabulary slices joined)
 
     @torch.inference_mode()
     def mtp_forward(self, next_tokens, h, meta: Meta, cache: KVCache, j=0):
@@ -970,10 +1058,7 @@ class KVCache:
 # ------------------------------------------------------------------------------------------------------------
 # Loader: reads any DeepSeek-V3.2 checkpoint directory shard by shard, validating every tensor
 # ------------------------------------------------------------------------------------------------------------
-SAFETENSORS_DTYPES = {"F8_E4M3": FP8, "BF16": BF16, "F32": torch.float32, "F16": torch.float16,
-                      "F64": torch.float64, "I64": torch.int64, "I32": torch.int32, "U8": torch.uint8,
-                      "F8_E5M2": torch.float8_e5m2, "BOOL": torch.bool, "I8": torch.int8, "I16": torch.int16,
-                      "U16": torch.uint16, "U32": torch.uint32, "U64": torch.uint64}
+SAFETENSORS_DTYPES = {"F8_E4M3": FP8, "BF16": BF16, "F32": torch.float32}     # the ones DeepSeek-V3.2 uses
 
 
 def _shard_files(path):
@@ -995,39 +1080,15 @@ def _shard_files(path):
 
 
 def read_safetensors_header(file):
-    """{tensor: (shape, dtype)} of one shard, checked as safetensors does: a header length that fits, a JSON header,
-    each tensor's bytes = dtype size x shape, tensors back to back filling the file. Faults name file and tensor."""
-    size = os.path.getsize(file)
-    with open(file, "rb") as f:
-        n = int.from_bytes(f.read(8), "little") if size >= 8 else -1
-        if not 2 <= n <= min(size - 8, 100_000_000):
-            raise ValueError(f"{file}: not a safetensors file, or truncated (header length {n}, file size {size})")
-        try:
-            header = json.loads(f.read(n))
-        except ValueError as e:                                  # bad JSON or not UTF-8
-            raise ValueError(f"{file}: corrupt safetensors header ({e})") from None
-    meta = header.pop("__metadata__", {}) if isinstance(header, dict) else None
-    if not isinstance(meta, dict) or not all(isinstance(v, str) for v in meta.values()):
-        raise ValueError(f"{file}: corrupt safetensors header (not a JSON object of tensors with string metadata)")
-    spans = []
-    for name, t in header.items():
-        if not (isinstance(t, dict) and t.get("dtype") in SAFETENSORS_DTYPES and isinstance(t.get("shape"), list)
-                and all(_is_num(d, True) and d >= 0 for d in t["shape"]) and isinstance(t.get("data_offsets"), list)
-                and len(t["data_offsets"]) == 2 and all(_is_num(o, True) for o in t["data_offsets"])):
-            raise ValueError(f"{file}: tensor {name} has a corrupt header entry {json.dumps(t)[:200]}")
-        (a, b), need = t["data_offsets"], math.prod(t["shape"]) * SAFETENSORS_DTYPES[t["dtype"]].itemsize
-        if b - a != need:
-            raise ValueError(f"{file}: tensor {name} has {b - a} bytes, but {t['dtype']} {t['shape']} is {need}")
-        spans.append((a, b, name))
-    end = 0
-    for a, b, name in sorted(spans):
-        if a != end or 8 + n + b > size:
-            raise ValueError(f"{file}: tensor {name} " + (f"starts at data byte {a}, expected {end} (overlap or gap)"
-                             if a != end else f"ends past the end of the file ({8 + n + b} > {size} bytes): truncated"))
-        end = b
-    if 8 + n + end != size:
-        raise ValueError(f"{file}: {size - 8 - n - end} bytes after the last tensor (not a safetensors file)")
-    return {name: (t["shape"], t["dtype"]) for name, t in header.items()}
+    """{tensor: (shape, dtype name)} of one shard. safetensors checks the header as it opens the file (its length,
+    JSON, dtypes, each tensor's byte span, the file covered exactly); any fault is one ValueError naming the file."""
+    from safetensors import safe_open
+    try:
+        with safe_open(file, "pt") as f:
+            return {n: (s.get_shape(), s.get_dtype()) for n in f.keys() for s in [f.get_slice(n)]}
+    except Exception as e:                       # safetensors raises its own SafetensorError (and OSError)
+        raise ValueError(f"{file}: not a safetensors file, or damaged or truncated ({' '.join(str(e).split())})") \
+            from None
 
 
 def validate_checkpoint(path, cfg: Config):
@@ -1096,17 +1157,23 @@ def load_model(path, device="cpu", kernels="auto", cfg=None) -> Transformer:
     model = model.to_empty(device=device).eval()
     params = dict(model.named_parameters())
     files = _shard_files(path)[0]
-    total = sum(os.path.getsize(f) for f in files)
+    total = sum(os.path.getsize(f) for f in files) // tp_size()        # about what each rank reads
+    model.loaded_bytes = 0
     with tqdm(total=total, unit="B", unit_scale=True, desc="loading", leave=False,
-              disable=total < (256 << 20)) as bar:
+              disable=total < (256 << 20) or tp_rank() > 0) as bar:
         for file in files:
             with safe_open(file, "pt", device="cpu") as f:
                 for name in f.keys():
-                    t = f.get_tensor(name)
-                    p = load_target(params, cfg, name).copy_(t)
+                    p = load_target(params, cfg, name)
+                    if p is None:                                      # another rank's expert: not read
+                        continue
+                    part = f.get_slice(name)                           # reads this rank's slice only
+                    t = part[rank_slice(part.get_shape(), p.shape)]
+                    p.copy_(t)
                     bad = (p.view(torch.uint8) & 0x7F == 0x7F) if p.dtype == FP8 else ~p.isfinite()  # e4m3fn nan
                     if bad.any():
                         raise ValueError(f"{file}: tensor {name} holds {int(bad.sum())} nan or inf values")
+                    model.loaded_bytes += t.numel() * t.element_size()
                     bar.update(t.numel() * t.element_size())
     return _share_mtp_copies(model).bind(select_ops(kernels, device))
 
@@ -1318,6 +1385,7 @@ class LLM:
             self.device = dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         except (RuntimeError, TypeError):
             raise ValueError(f"unknown device {device!r}") from None
+        self.device = dev = init_distributed(dev)                        # torchrun: join the ranks, take a GPU
         n_gpus = torch.cuda.device_count()                               # 0 without CUDA
         if dev.type not in ("cpu", "cuda") or dev.type == "cuda" and (dev.index or 0) >= n_gpus:
             raise ValueError(f"device {device!r}: " + ("nano-nsa runs on cpu or cuda" if dev.type != "cuda" else
@@ -1334,10 +1402,11 @@ class LLM:
                 f"less than two pages of the KV pool ({2 * page} bytes)" if kv_cache_bytes < 2 * page else
                 f"more than the {memory} bytes of {dev.type} memory"))
         self.model = model or load_model(model_dir, dev, kernels, cfg)  # model: built already (bench.py)
-        self.announce = dev.type == "cuda"              # say once, at the first generate, which kernels run
+        self.announce = dev.type == "cuda" and tp_rank() == 0   # say once, at the first generate, which kernels run
         self.k, self.page_size, self.max_batch, self.max_prefill_tokens = mtp, page_size, max_batch, max_prefill_tokens
         kv_cache_bytes = kv_cache_bytes or (int(torch.cuda.mem_get_info(dev)[0] * 0.8) if cuda else 256 << 20)
         num_pages = kv_cache_bytes // page                      # default pool: CPU 256 MiB, GPU 80% of what is free
+        num_pages = int(all_reduce(torch.tensor([num_pages], device=dev), dist.ReduceOp.MIN))  # one schedule for all
         self.cache = KVCache(cfg, num_pages * page_size, self.device)
         self.free_pages = list(range(1, num_pages))             # page 0 is never given out: slot 0 is the dummy slot
         self.max_context = min(max_context or cfg.max_seq_len, cfg.max_seq_len)   # that padded rows write to
@@ -1400,7 +1469,9 @@ class LLM:
             return []
         temperature = max(temperature, 1e-5) if temperature > 0 else 0     # as the reference: no overflow in logits/T
         capacity = len(self.free_pages) * self.page_size
-        seed = int.from_bytes(os.urandom(6), "little") if seed is None else seed
+        if seed is None:                                        # a fresh seed, the same on every rank
+            seed = int(all_reduce(torch.tensor([int.from_bytes(os.urandom(6), "little")], device=self.device),
+                                  dist.ReduceOp.MAX))
         reqs = []
         for i, p in enumerate(prompts):
             ids = self.encode(p, thinking, raw)
@@ -1718,7 +1789,8 @@ def main(argv=None):
             check_arg(name, getattr(args, name), *rule)
         llm = LLM(args.model, device=args.device, mtp=args.mtp, max_context=args.max_context,
                   kernels=args.kernels, cuda_graphs=not args.no_cuda_graphs)
-        stream = not args.json and len(prompts) == 1
+        quiet = tp_rank() > 0                    # torchrun: every rank computes the same tokens; rank 0 prints
+        stream = not args.json and len(prompts) == 1 and not quiet
         streamed, printed = [], [""]
 
         def on_tokens(i, toks):                  # one prompt: print its newly decodable text (whole UTF-8 chars)
@@ -1736,7 +1808,11 @@ def main(argv=None):
         return 1
     except KeyboardInterrupt:
         return 130
+    if dist.is_initialized():
+        dist.destroy_process_group()
     s = llm.stats
+    if quiet:
+        return 0
     if args.json:
         print(json.dumps({"results": [dict(prompt=p, token_ids=r.token_ids, text=r.text, finish_reason=r.finish_reason,
                                            accept_lengths=r.accept_lengths) for p, r in zip(prompts, results)],

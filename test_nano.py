@@ -1120,7 +1120,8 @@ SHARD_FAULTS = ["truncated", "empty", "header_length", "corrupt_header", "header
 @pytest.mark.parametrize("fault", SHARD_FAULTS)
 def test_damaged_shard_is_one_clear_line(tiny_dir, tmp_path, fault, capsys):
     """Every damaged shard or index gives one ValueError line naming the file (and the tensor where there is one),
-    before any weight is read (except nan / inf values, found while reading); the CLI prints it, exit code 1."""
+    before any weight is read (except nan / inf values, found while reading); the CLI prints it, exit code 1.
+    A damaged safetensors header or data span is found by safetensors itself as the shard opens."""
     from safetensors.torch import load_file, save_file
     bad, weight_map = _damaged_copy(tiny_dir, tmp_path)
     victim = "model.layers.1.self_attn.kv_b_proj.weight"
@@ -1130,33 +1131,34 @@ def test_damaged_shard_is_one_clear_line(tiny_dir, tmp_path, fault, capsys):
     n = int.from_bytes(raw[:8], "little")
     other = next(f for f in sorted(set(weight_map.values())) if f != shard)
     expect = [shard]
+    damaged = [f"{file}: not a safetensors file, or damaged or truncated ("]      # then safetensors' own words
     if fault == "truncated":
         open(file, "wb").write(raw[:-1000])
-        expect += ["truncated", "ends past the end of the file"]
+        expect = damaged
     elif fault == "empty":
         open(file, "wb").write(b"")
-        expect += ["not a safetensors file", "file size 0"]
+        expect = damaged
     elif fault == "header_length":
         open(file, "wb").write((1 << 60).to_bytes(8, "little") + raw[8:])
-        expect += [f"header length {1 << 60}"]
+        expect = damaged
     elif fault == "corrupt_header":
         open(file, "wb").write(raw[:8] + raw[8:20].replace(b'"', b"\xff") + raw[20:])
-        expect += ["corrupt safetensors header"]
+        expect = damaged
     elif fault == "header_not_object":
         _rewrite_header(file, lambda h: h.update({victim: "F8_E4M3"}))
-        expect += [f"tensor {victim} has a corrupt header entry"]
+        expect = damaged
     elif fault == "wrong_length":
         _rewrite_header(file, lambda h: h[victim]["shape"].__setitem__(0, h[victim]["shape"][0] - 1))
-        expect += [f"tensor {victim} has 65536 bytes, but F8_E4M3 [255, 256] is 65280"]
+        expect = damaged
     elif fault == "overlap":
         _rewrite_header(file, lambda h: h[victim].update(data_offsets=[o - 8 for o in h[victim]["data_offsets"]]))
-        expect += [f"tensor {victim} starts at data byte", "overlap or gap"]
+        expect = damaged
     elif fault == "extra_bytes":
         open(file, "ab").write(b"\0" * 8)
-        expect += ["8 bytes after the last tensor"]
+        expect = damaged
     elif fault == "bad_dtype":
         _rewrite_header(file, lambda h: h[victim].update(dtype="F8_E9M9"))
-        expect += [f"tensor {victim} has a corrupt header entry", "F8_E9M9"]
+        expect = damaged + ["F8_E9M9"]
     elif fault == "duplicate":
         tensors = load_file(os.path.join(bad, other))
         tensors[victim] = load_file(file)[victim]
