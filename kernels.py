@@ -320,25 +320,26 @@ def _fp8_gemm_kernel(a_ptr, as_ptr, rows_ptr, b_ptr, bs_ptr, expert_ptr, c_ptr, 
         tl.atomic_add(c, acc, mask=mask)
 
 
-def _gemm(a, sa, b, sb, M, N, rows=None, experts=None, block_m=16):
+def _gemm(a, sa, b, sb, M, N, rows=None, experts=None, block_m=16, out_dtype=BF16):
     """A8 [*, K] (rows picked by `rows` if given), B8 [N, K] or [E, N, K] (with `experts` per block of block_m
-    rows) -> C [M, N] bf16, fp32 accumulation of each 128-block product times its two scales."""
+    rows) -> C [M, N] out_dtype, fp32 accumulation of each 128-block product times its two scales."""
     K = b.shape[-1]
     grid_mn = triton.cdiv(M, block_m) * triton.cdiv(N, 64)
     split = max(1, min(K // 128, 256 // grid_mn)) if experts is None else 1      # fill 132 SMs at decode
     c = (torch.zeros if split > 1 else torch.empty)(M, N, device=a.device,
-                                                    dtype=torch.float32 if split > 1 else BF16)
+                                                    dtype=torch.float32 if split > 1 else out_dtype)
     _fp8_gemm_kernel[(triton.cdiv(M, block_m), triton.cdiv(N, 64), split)](
         a, sa, rows, b, sb, experts, c, M, N, K, GATHER=rows is not None, GROUPED=experts is not None,
         SPLIT_K=split, BLOCK_M=block_m, BLOCK_N=64, num_warps=4, num_stages=3)
-    return c.to(BF16)
+    return c.to(out_dtype)
 
 
-def fp8_linear(x, w, scale):
-    """Kernel of nano_nsa.fp8_linear: act_quant then the block-scaled FP8 GEMM, bf16 out."""
+def fp8_linear(x, w, scale, partial=False):
+    """Kernel of nano_nsa.fp8_linear: act_quant then the block-scaled FP8 GEMM, bf16 out (partial: fp32)."""
     q, s = act_quant(x)
     M = q.numel() // q.shape[-1]
-    y = _gemm(q.view(M, -1), s.view(M, -1), w, scale, M, w.shape[0], block_m=16 if M <= 16 else 64)
+    y = _gemm(q.view(M, -1), s.view(M, -1), w, scale, M, w.shape[0], block_m=16 if M <= 16 else 64,
+              out_dtype=torch.float32 if partial else BF16)
     return y.view(*x.shape[:-1], w.shape[0])
 
 

@@ -509,12 +509,14 @@ def acc_dtype(x: torch.Tensor):
     return torch.float64 if x.device.type == "cpu" else torch.float32
 
 
-def fp8_linear(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """y = act_quant(x) @ W^T for a block-scaled FP8 weight (the reference `fp8_gemm`), bf16 out.
+def fp8_linear(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, partial=False) -> torch.Tensor:
+    """y = act_quant(x) @ W^T for a block-scaled FP8 weight (the reference `fp8_gemm`), bf16 out (partial: the
+    unrounded accumulator, a rank's share of a sum rounded once after the all-reduce).
     With pow2 scales both operands are exact in fp32, so an fp32 GEMM equals the reference up to summation order."""
     xq = act_dequant(*act_quant(x))                                         # never skip: 3-bit mantissa error
     acc = acc_dtype(x)
-    return F.linear(xq.to(acc), weight_dequant(w, scale).to(acc)).to(BF16)
+    y = F.linear(xq.to(acc), weight_dequant(w, scale).to(acc))
+    return y if partial else y.to(BF16)
 
 
 def fp8_round_trip(x: torch.Tensor) -> torch.Tensor:
@@ -541,6 +543,7 @@ class Linear(nn.Module):
 
     def __init__(self, in_features, out_features, fp8=True, dtype=BF16, n=None, split=None):
         super().__init__()
+        self.partial = split == "row"                   # output unrounded: rounded after the all-reduce
         out_features //= tp_size() if split == "col" else 1
         in_features //= tp_size() if split == "row" else 1
         stack = [n] if n else []
@@ -550,7 +553,7 @@ class Linear(nn.Module):
 
     def forward(self, x):
         if self.scale is not None:
-            return self.ops.fp8_linear(x, self.weight, self.scale)
+            return self.ops.fp8_linear(x, self.weight, self.scale, self.partial)
         return self.ops.dense_linear(x, self.weight)
 
 
@@ -824,7 +827,7 @@ class MLA(nn.Module):
         self.indexer = Indexer(cfg)
 
     def forward(self, x, cos, sin, meta: Meta, cache: LayerCache):
-        """-> this rank's heads' part of the output projection [T, dim] (Block sums it over ranks)."""
+        """-> this rank's heads' part of the output projection [T, dim], unrounded (Block sums it over ranks)."""
         cfg, T = self.cfg, x.shape[0]
         H, D, R, C = cfg.n_heads // tp_size(), cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.kv_lora_rank
         qr = self.q_norm(self.wq_a(x))                                   # [T, q_lora]; shared with the indexer
@@ -860,7 +863,8 @@ class MLA(nn.Module):
 # Feed-forward: SwiGLU MLP and the sigmoid-routed, group-limited MoE (spec 3.4, 3.9)
 # ------------------------------------------------------------------------------------------------------------
 class MLP(nn.Module):
-    """SwiGLU; each rank holds inter_dim / ranks of it, so its output is a partial sum (Block all-reduces it)."""
+    """SwiGLU; each rank holds inter_dim / ranks of it: its output is an unrounded partial sum (Block all-reduces
+    and rounds it)."""
     def __init__(self, dim, inter_dim):
         super().__init__()
         self.w1, self.w3 = Linear(dim, inter_dim, split="col"), Linear(dim, inter_dim, split="col")
@@ -916,14 +920,15 @@ class MoE(nn.Module):
         self.shared_experts = MLP(cfg.dim, cfg.moe_inter_dim * cfg.n_shared_experts)
 
     def forward(self, x):
-        """-> this rank's part of the output, fp32 [T, dim]: its routed experts' weighted sum plus its slice of the
-        shared expert (Block sums the parts over ranks, then rounds once, as a single rank does)."""
+        """-> this rank's part of the output, unrounded [T, dim]: its routed experts' weighted sum plus its slice of the
+        shared expert (Block sums the parts over ranks, then rounds once; the reference rounds the shared expert's
+        output to bf16 first, which a split shared expert cannot do)."""
         w, idx = self.gate(x)                                                              # [T, A] each (replicated)
         ex, E = self.experts, self.experts.w13.weight.shape[0]
         first = tp_rank() * E                                     # this rank holds experts first .. first + E - 1
         idx = torch.where((idx >= first) & (idx < first + E), idx - first, E)   # E: another rank's, skipped
         y = self.ops.moe(x, w, idx, ex.w13.weight, ex.w13.scale, ex.w2.weight, ex.w2.scale)   # fp32 accumulation
-        return y + self.shared_experts(x).float()
+        return y + self.shared_experts(x)
 
 
 # ------------------------------------------------------------------------------------------------------------
@@ -938,9 +943,11 @@ class Block(nn.Module):
 
     def forward(self, x, residual, cos, sin, meta, cache):
         x, residual = (self.attn_norm(x), x) if residual is None else self.attn_norm(x, residual)
-        x = all_reduce(self.attn(x, cos, sin, meta, cache))            # each rank's heads' part, summed over ranks
+        # Each half's output is a sum of every rank's part, in fp32 (CPU: fp64), rounded to bf16 once: as at one
+        # rank (the reference all-reduces bf16 parts, which makes the tokens depend on the number of ranks)
+        x = all_reduce(self.attn(x, cos, sin, meta, cache)).to(BF16)
         x, residual = self.ffn_norm(x, residual)
-        return all_reduce(self.ffn(x)).to(BF16), residual              # MoE parts are fp32: rounded once, after
+        return all_reduce(self.ffn(x)).to(BF16), residual
 
 
 class MTP(nn.Module):

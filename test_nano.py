@@ -8,7 +8,9 @@ to fp64 rounding before the shared bf16 roundings: where a test compares such pa
 import json
 import math
 import os
+import re
 import shutil
+import sys
 
 import pytest
 import torch
@@ -475,7 +477,7 @@ def test_mtp_layer_matches_spec(model):
 
     def rms(x, w):
         x = x.float()
-        return (w * x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + cfg.eps)).to(torch.bfloat16)
+        return (w * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + cfg.eps))).to(torch.bfloat16)   # as [R]
     mtp = model.mtp[0]
     e = F.embedding(nxt, mtp.embed.weight)
     u = (torch.cat([rms(e, mtp.enorm.weight), rms(h, mtp.hnorm.weight)], -1).double()
@@ -826,10 +828,13 @@ def calm_dir(tiny_dir, tmp_path_factory):
     power-of-two block scales (the FP8 format stays exact). A random 3-layer model amplifies any numerical noise
     chaotically (1% noise in attention moves the tiny model's logits by 1.7, as much as their spread); damped
     branches keep it near 0.06, so its greedy decisions stay far from that noise: a checkpoint far from ties."""
+    return _damped_copy(tiny_dir, str(tmp_path_factory.mktemp("calm")))
+
+
+def _damped_copy(src_dir, path):
     from safetensors.torch import load_file, save_file
-    path = str(tmp_path_factory.mktemp("calm"))
-    for name in os.listdir(tiny_dir):
-        src = os.path.join(tiny_dir, name)
+    for name in os.listdir(src_dir):
+        src = os.path.join(src_dir, name)
         if name.endswith(".safetensors"):
             ts = load_file(src)
             ts.update({k: v / 8 for k, v in ts.items() if k.endswith(("o_proj.weight_scale_inv",
@@ -1490,3 +1495,97 @@ def test_gpu_moe_kernel_matches_reference(experts_full, T, case):
     err = ((got - want).norm() / want.norm()).item()
     print(f"MoE T={T} {case}: {idx.unique().numel()} experts used, rel err {err:.2e}")
     assert err < 1e-2
+
+
+# ------------------------------------------------------------------------------------------------------------
+# tensor and expert parallelism: torchrun with gloo on CPU, TP=2 against TP=1
+# ------------------------------------------------------------------------------------------------------------
+TP_CONFIG = dict(n_heads=8, n_shared_experts=2)    # Config.tiny whose splits are whole 128-blocks at 2 ranks
+
+
+@pytest.fixture(scope="session")
+def calm_tp_dir(tmp_path_factory):
+    src = str(tmp_path_factory.mktemp("tp_src"))
+    m.save_random_checkpoint(src, m.Config.tiny(**TP_CONFIG), seed=1, shard_bytes=1 << 20)
+    return _damped_copy(src, str(tmp_path_factory.mktemp("tp_calm")))
+
+
+def _tp_run(model_dir, out):
+    """What each rank does (the whole run at TP=1): greedy tokens for the prompts in out/prompts.json with MTP off and
+    with 2 drafts, recording every indexer selection, every draft token and the bytes the loader read; saved to
+    out/rank{r}.pt."""
+    selections, index_topk, drafts, pick = [], m.TORCH_OPS.index_topk, [], m.LLM._pick
+    m.TORCH_OPS.index_topk = lambda *a: selections.append(index_topk(*a)) or selections[-1]
+    m.LLM._pick = lambda self, r, logits: drafts.append(pick(self, r, logits)) or drafts[-1]
+    try:
+        llm = m.LLM(model_dir, device="cpu", mtp=2, kernels="torch")
+        llms = {0: m.LLM(model_dir, device="cpu", mtp=0, model=llm.model), 2: llm}
+        llm.cfg.eos_token_id = -1                   # every request runs all its tokens
+        with open(os.path.join(out, "prompts.json")) as f:
+            prompts = json.load(f)
+        runs = {k: e.generate(prompts, max_new_tokens=8, return_logits=True) for k, e in llms.items()}
+    finally:
+        m.TORCH_OPS.index_topk, m.LLM._pick = index_topk, pick
+    torch.save(dict(tokens={k: [r.token_ids for r in rs] for k, rs in runs.items()}, selections=selections,
+                    drafts=[t for t, _ in drafts], accept=[r.accept_lengths for r in runs[2]],
+                    first_logits=torch.stack([r.logits[0] for r in runs[0]]), bytes=llm.model.loaded_bytes),
+               os.path.join(out, f"rank{m.tp_rank()}.pt"))
+
+
+def _tp_share(cfg, name, nbytes, rank, ranks):
+    """Bytes of checkpoint tensor `name` that rank `rank` must read, from the official reference's TP layout (spec
+    2.4): routed experts whole, by index range; MLA q_b / kv_b / o_proj, dense MLP and shared expert, embeddings and
+    heads one equal slice per rank (their block scales alike); everything else (the indexer too) whole."""
+    expert = re.search(r"\.experts\.(\d+)\.", name)
+    if expert:
+        return nbytes if int(expert[1]) // (cfg.n_routed_experts // ranks) == rank else 0
+    split = re.search(r"self_attn\.(q_b_proj|kv_b_proj|o_proj)\.|mlp\.(shared_experts\.)?(gate|up|down)_proj\.|"
+                      r"embed_tokens|lm_head|shared_head\.head", name)
+    return nbytes // ranks if split else nbytes
+
+
+def test_tensor_parallel_two_ranks_equal_one(calm_tp_dir, tmp_path):
+    """torchrun --nproc-per-node 2 (gloo on CPU) gives TP=1's greedy tokens with MTP off and on, and the same draft
+    tokens (the MTP layer is sharded right too); both ranks' indexers select the same positions in every
+    layer and step; each rank read exactly its share of the checkpoint's bytes (computed here from the tensors'
+    sizes and the reference's layout: its experts, its slices of the split tensors, the replicated ones whole)."""
+    import subprocess
+    from safetensors.torch import load_file
+    dist = pytest.importorskip("torch.distributed")
+    if not dist.is_available() or not dist.is_gloo_available():
+        pytest.skip("torch.distributed with gloo is not available")
+    g = torch.Generator().manual_seed(5)              # contexts > index_topk 32: real top-k selections
+    prompts = [torch.randint(6, 262, (n,), generator=g).tolist() for n in (70, 41, 55, 36)]
+    os.makedirs(tmp_path / "tp2")
+    for d in (tmp_path, tmp_path / "tp2"):
+        (d / "prompts.json").write_text(json.dumps(prompts))
+    _tp_run(calm_tp_dir, str(tmp_path))                                    # TP=1, in this process
+    here = os.path.dirname(os.path.abspath(__file__))
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=here)
+    r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                        os.path.join(here, "test_nano.py"), "tp-run", calm_tp_dir, str(tmp_path / "tp2")],
+                       capture_output=True, text=True, env=env, timeout=300, cwd=str(tmp_path))
+    assert r.returncode == 0, r.stderr[-3000:]
+    one, *ranks = (torch.load(tmp_path / d / f"rank{i}.pt") for d, i in [(".", 0), ("tp2", 0), ("tp2", 1)])
+    # the parts are summed before the one rounding per block half, so TP=2 computes TP=1's numbers (CPU: fp64 sums,
+    # equal to ~1e-16 before that rounding; measured: bit-identical logits)
+    assert torch.equal(ranks[0]["first_logits"], ranks[1]["first_logits"])
+    assert (ranks[0]["first_logits"] - one["first_logits"]).abs().max() < 1e-2
+    for k in (0, 2):
+        assert ranks[0]["tokens"][k] == ranks[1]["tokens"][k] == one["tokens"][k], f"mtp={k}"
+    assert ranks[0]["drafts"] == ranks[1]["drafts"] == one["drafts"] and len(one["drafts"]) > 50
+    assert ranks[0]["accept"] == ranks[1]["accept"] == one["accept"]
+    a, b = ranks[0]["selections"], ranks[1]["selections"]
+    assert len(a) == len(b) > 20 and all(torch.equal(x, y) for x, y in zip(a, b))
+    assert max(x.shape[1] for x in a) == 32                                # top-k of longer contexts ran
+    cfg = m.Config.from_json(calm_tp_dir)
+    sizes = {n: t.numel() * t.element_size() for f in os.listdir(calm_tp_dir) if f.endswith(".safetensors")
+             for n, t in load_file(os.path.join(calm_tp_dir, f)).items()}
+    assert one["bytes"] == sum(sizes.values())
+    for rank, got in enumerate(ranks):
+        assert got["bytes"] == sum(_tp_share(cfg, n, b, rank, 2) for n, b in sizes.items()), f"rank {rank}"
+
+
+if __name__ == "__main__" and sys.argv[1:2] == ["tp-run"]:          # torchrun test_nano.py tp-run DIR OUT
+    _tp_run(*sys.argv[2:4])
+    torch.distributed.destroy_process_group()
