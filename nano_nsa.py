@@ -431,13 +431,11 @@ def save_random_checkpoint(path, config: Config, seed: int = 0, shard_bytes: int
 # ------------------------------------------------------------------------------------------------------------
 # Tensor and expert parallelism (torchrun): every rank holds a shard of the weights and runs the same schedule
 # ------------------------------------------------------------------------------------------------------------
-# Split by rank: MLA heads (q_b / kv_b rows, o_proj columns), dense MLP and shared expert (w1 / w3 rows, w2 columns),
-# routed experts (whole, by index range), vocabulary (embedding and head rows). Replicated: everything else, the
-# indexer and the latent KV cache included, so every rank computes the same selection. One all-reduce per block
-# half (Block), one all-gather of the logits; sampling then runs identically on every rank (same seeds).
+# Split by rank: MLA heads, dense MLP and shared expert (w1 / w3 rows, w2 columns), routed experts (by index range),
+# vocabulary. Replicated: the rest, the indexer and latent KV cache included (every rank selects the same positions).
+# One all-reduce per block half (Block), one all-gather of the logits; sampling is identical on every rank.
 def init_distributed(device: torch.device) -> torch.device:
-    """Under torchrun (WORLD_SIZE > 1): join the process group once (NCCL on CUDA, gloo on CPU); a CUDA rank takes
-    GPU LOCAL_RANK."""
+    """Under torchrun (WORLD_SIZE > 1): join the ranks once (NCCL on CUDA, gloo on CPU); take GPU LOCAL_RANK."""
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:
         if device.type == "cuda":
             device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
@@ -863,8 +861,7 @@ class MLA(nn.Module):
 # Feed-forward: SwiGLU MLP and the sigmoid-routed, group-limited MoE (spec 3.4, 3.9)
 # ------------------------------------------------------------------------------------------------------------
 class MLP(nn.Module):
-    """SwiGLU; each rank holds inter_dim / ranks of it: its output is an unrounded partial sum (Block all-reduces
-    and rounds it)."""
+    """SwiGLU; a rank holds inter_dim / ranks of it: its output is an unrounded part of the sum (Block adds them)."""
     def __init__(self, dim, inter_dim):
         super().__init__()
         self.w1, self.w3 = Linear(dim, inter_dim, split="col"), Linear(dim, inter_dim, split="col")
@@ -920,9 +917,8 @@ class MoE(nn.Module):
         self.shared_experts = MLP(cfg.dim, cfg.moe_inter_dim * cfg.n_shared_experts)
 
     def forward(self, x):
-        """-> this rank's part of the output, unrounded [T, dim]: its routed experts' weighted sum plus its slice of the
-        shared expert (Block sums the parts over ranks, then rounds once; the reference rounds the shared expert's
-        output to bf16 first, which a split shared expert cannot do)."""
+        """-> this rank's part [T, dim], unrounded: its routed experts' weighted sum plus its slice of the shared expert
+        (Block adds the parts, then rounds once; the reference rounds the shared expert's output to bf16 first)."""
         w, idx = self.gate(x)                                                              # [T, A] each (replicated)
         ex, E = self.experts, self.experts.w13.weight.shape[0]
         first = tp_rank() * E                                     # this rank holds experts first .. first + E - 1
