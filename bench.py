@@ -32,12 +32,15 @@ def random_model(cfg: m.Config, device, seed=0, kernels="auto") -> m.Transformer
     model = model.to_empty(device=device).eval()
     params = dict(model.named_parameters())
     for name, (shape, kind) in m.checkpoint_tensors(cfg).items():
-        if kind != "scale":
+        target = m.load_target(params, cfg, name)                  # None: another rank's expert (under torchrun)
+        if kind != "scale" and target is not None:
             w = m.random_weight(name, shape, kind, seed, device)
             if kind == "fp8":
                 w, scale = m.quantize_weight(w)
-                m.load_target(params, cfg, name + "_scale_inv").copy_(scale)
-            m.load_target(params, cfg, name).copy_(w if kind == "fp8" else w.to(m.stored_dtype(name, kind)))
+                s = m.load_target(params, cfg, name + "_scale_inv")
+                s.copy_(scale[m.rank_slice(scale.shape, s.shape)])
+            w = w if kind == "fp8" else w.to(m.stored_dtype(name, kind))
+            target.copy_(w[m.rank_slice(w.shape, target.shape)])   # this rank's slice: the whole at one rank
     return m._share_mtp_copies(model).bind(m.select_ops(kernels, device))
 
 
@@ -485,6 +488,7 @@ def main():
     args = ap.parse_args()
     if not torch.cuda.is_available():
         sys.exit("bench.py needs a CUDA GPU")
+    m.init_distributed(torch.device("cuda"))          # torchrun --nproc-per-node N bench.py ...: N ranks, one GPU each
     out = dict(device=torch.cuda.get_device_name(), date=time.strftime("%Y-%m-%d"), torch=torch.__version__)
     print(f"device: {out['device']}, torch {out['torch']}, {out['date']}")
     for what in args.what:
