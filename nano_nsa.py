@@ -1150,8 +1150,8 @@ def open_checkpoint(path) -> Config:
 def load_model(path, device="cpu", kernels="auto", cfg=None) -> Transformer:
     """Load a DeepSeek-V3.2 HF checkpoint directory (cfg: open_checkpoint(path), if the caller has it already). FP8
     weights stay FP8 with their block scales; norms, router bias, weights_proj and the heads are upcast to fp32 one
-    tensor at a time, as the reference does. A tensor holding nan or inf is refused by name. The model is then
-    bound to its kernel set (`select_ops`)."""
+    tensor at a time, as the reference does. A tensor holding nan or inf is refused by name. Under torchrun a rank
+    reads only its share: its experts, its slice of each split tensor (`loaded_bytes`). Then bound to `select_ops`."""
     from safetensors import safe_open
     from tqdm import tqdm
     cfg = cfg or open_checkpoint(path)

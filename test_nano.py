@@ -1581,6 +1581,19 @@ def _tp_runs(model_dir, tmp_path, n, device, kernels):
     return one, ranks
 
 
+def test_tensor_parallel_sizes_that_would_cut_fp8_blocks_are_refused():
+    """The 671B shapes split into whole 128-blocks at 1 to 16 ranks, not at 32 (18432 / 32 = 576 dense MLP rows) or 3
+    (heads); Config.tiny's q_b_proj (4 heads x 96 = 384 rows) cannot split in two."""
+    for n in (1, 2, 4, 8, 16):
+        m.Config.full().check_tp(n)
+    for cfg, n, why in [(m.Config.full(), 32, "inter_dim = 18432 must be a multiple of 4096"),
+                        (m.Config.full(), 3, "n_heads = 128 must be a multiple of 3"),
+                        (m.Config.tiny(), 2, "q_b_proj rows (n_heads * qk_head_dim) = 384 must be a multiple of 256")]:
+        with pytest.raises(ValueError, match=re.escape(f"tensor parallel size {n}: {why}")):
+            cfg.check_tp(n)
+    m.Config.tiny(**TP_CONFIG).check_tp(4)
+
+
 def test_tensor_parallel_two_ranks_equal_one(calm_tp_dir, tmp_path):
     """torchrun --nproc-per-node 2 (gloo on CPU) gives TP=1's greedy tokens with MTP off and on, and the same draft
     tokens (the MTP layer is sharded right too); both ranks' indexers select the same positions in every layer and
