@@ -1507,7 +1507,8 @@ class LLM:
                 rounds += 1
         dt = time.perf_counter() - t0
         results = [Result(r.generated, self.tokenizer.decode(r.generated), r.accept_lengths,
-                          torch.stack(r.logits) if return_logits else None, r.finish) for r in reqs]
+                          (torch.stack(r.logits) if r.logits else torch.zeros(0, self.cfg.vocab_size))
+                          if return_logits else None, r.finish) for r in reqs]
         n_tok = sum(len(r.generated) for r in reqs)
         acc = [a for r in reqs for a in r.accept_lengths]
         self.stats = dict(tokens=n_tok, seconds=dt, tokens_per_s=n_tok / dt, decode_rounds=rounds,
@@ -1690,7 +1691,7 @@ class CudaGraphs:
         cfg, dev, k, t0 = llm.cfg, llm.device, llm.k, time.perf_counter()
         self.llm, self.rows = llm, dict(verify=k + 1, extend=k + 1, draft=1)
         kinds = ["verify"] + ["extend"] * (k > 0) + ["draft"] * (k > 1)
-        self.buckets = {kind: graph_buckets(llm.max_batch, self.rows[kind]) for kind in kinds}
+        self.buckets = {kind: graph_buckets(llm.max_batch, self.rows[kind], tp_size()) for kind in kinds}
         max_bs = max(b[-1] for b in self.buckets.values())
         rows = max_bs * (k + 1)
         self.max_width = -(-(llm.max_context + 2 * k + 2) // llm.page_size) * llm.page_size

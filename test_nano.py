@@ -1025,6 +1025,15 @@ def test_eos_stops_generation_inside_accepted_drafts(tiny_dir, monkeypatch):
             assert r.token_ids == want[:cut] and r.finish_reason == ("eos" if eos in want else "length")
 
 
+def test_first_token_eos_with_logits(tiny_dir, monkeypatch):
+    """A request whose first token is EOS returns no tokens and an empty logits matrix (it used to crash)."""
+    llm = make_llm(tiny_dir, 1)
+    first = llm.generate([[5, 6, 7]], max_new_tokens=4)[0].token_ids[0]
+    monkeypatch.setattr(llm.cfg, "eos_token_id", first)
+    r = llm.generate([[5, 6, 7]], max_new_tokens=4, return_logits=True)[0]
+    assert r.token_ids == [] and r.finish_reason == "eos" and r.logits.shape == (0, m.Config.tiny().vocab_size)
+
+
 def test_streaming_and_prompt_encodings(tiny_dir):
     llm = make_llm(tiny_dir, 2)
     streamed = {}
