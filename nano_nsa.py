@@ -382,11 +382,12 @@ def stored_dtype(name, kind):
 
 
 def save_random_checkpoint(path, config: Config, seed: int = 0, shard_bytes: int = 4 << 30, tokenizer=True,
-                           device="cpu"):
+                           device="cpu", weights=None):
     """Write a random-weight DeepSeek-V3.2 checkpoint in exactly the official HF layout (config.json with
     quantization_config, sharded safetensors + index json, FP8 weights with pow2 128x128 block scales).
     device: where values are drawn and quantized ('cuda' writes a full-width checkpoint in a minute; the values
-    differ from the CPU's, the format does not)."""
+    differ from the CPU's, the format does not). weights: {HF name: tensor} of a trained model, written through
+    the same FP8 path instead of random values (tools/train_demo.py)."""
     from safetensors.torch import save_file
     from tqdm import tqdm
     os.makedirs(path, exist_ok=True)
@@ -407,7 +408,8 @@ def save_random_checkpoint(path, config: Config, seed: int = 0, shard_bytes: int
 
     spec = {k: v for k, v in checkpoint_tensors(config).items() if v[1] != "scale"}
     for name, (shape, kind) in tqdm(spec.items(), desc="writing checkpoint", unit="tensor", leave=False):
-        w = random_weight(name, shape, kind, seed, device)
+        w = random_weight(name, shape, kind, seed, device) if weights is None else weights[name].float()
+        assert list(w.shape) == shape, f"{name}: shape {list(w.shape)}, the checkpoint needs {shape}"
         if kind == "fp8":
             q, s = quantize_weight(w)
             cur.update({name: q.cpu().contiguous(), name + "_scale_inv": s.cpu().contiguous()})
@@ -1245,6 +1247,11 @@ def write_byte_tokenizer(path, vocab_size):
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
     tok.decoder = decoders.ByteLevel()
     tok.add_special_tokens([AddedToken(t, normalized=False, special=True) for t in specials + placeholders])
+    save_tokenizer(path, tok)
+
+
+def save_tokenizer(path, tok):
+    """tokenizer.json and the tokenizer_config.json of DeepSeek's checkpoints (BOS / EOS / pad tokens)."""
     tok.save(os.path.join(path, "tokenizer.json"))
     token = lambda t: {"__type": "AddedToken", "content": t, "lstrip": False, "normalized": True,  # noqa: E731
                        "rstrip": False, "single_word": False}
