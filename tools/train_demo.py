@@ -69,6 +69,10 @@ def stdlib_files():
     return out
 
 
+def mean(xs):
+    return sum(xs) / len(xs)
+
+
 def held_out(rel):
     return zlib.crc32(rel.encode()) % 50 == 0
 
@@ -119,6 +123,12 @@ def fq_weight(w):
     return m.weight_dequant(*m.quantize_weight(w))
 
 
+def f32_linear(x, w):
+    """fp32 in, fp32 math (autocast off): the router and the indexer's head weights, fp32 in the engine."""
+    with torch.autocast(x.device.type, enabled=False):
+        return F.linear(x.float(), w.float())
+
+
 def fp8_linear(x, w):
     """A checkpoint FP8 linear: act_quant(x) @ W8^T (fake-quantized under QAT)."""
     return F.linear(ste(x, lambda t: m.act_dequant(*m.act_quant(t))), ste(w, fq_weight))
@@ -157,7 +167,7 @@ class Indexer(nn.Module):
         q = torch.cat([rope(q[..., :R], cos, sin, False), q[..., R:]], -1)
         k = torch.cat([rope(k[..., :R], cos, sin, False), k[..., R:]], -1)
         q8, k8 = (ste(m.hadamard(t), m.fp8_round_trip).float() for t in (q, k))   # Hadamard keeps dot products
-        w = F.linear(x.float(), self.weights_proj.weight.float()) * (c.index_n_heads * c.index_head_dim) ** -0.5
+        w = f32_linear(x, self.weights_proj.weight) * (c.index_n_heads * c.index_head_dim) ** -0.5
         return (torch.einsum("bshj,btj->bsht", q8, k8).relu() * w[..., None]).sum(2)
 
 
@@ -225,7 +235,7 @@ class MoE(nn.Module):                        # HF: mlp (routed experts exported 
         """x [N, dim]. Every expert runs on every token (8 small experts: cheaper than dispatch here); the routing
         weights, zero for unselected experts, pick the outputs."""
         c, N = self.c, x.shape[0]
-        s = F.linear(x.float(), self.gate.weight.float()).sigmoid()                     # [N, E]
+        s = f32_linear(x, self.gate.weight).sigmoid()                                    # [N, E]
         with torch.no_grad():                                                            # nano_nsa.Gate's selection
             sb = (s + self.gate.e_score_correction_bias).view(N, c.n_expert_groups, -1)
             keep = sb.topk(2, -1).values.sum(-1).topk(c.n_limited_groups, -1).indices
@@ -410,7 +420,8 @@ def main():
                     layer.mlp.gate.e_score_correction_bias += 1e-3 * torch.sign(load.mean() - load)
         if step % 100 == 0 or step == (steps or 0) - 1:
             say(f"step {step}: loss {main_loss.item():.3f}, mtp {' '.join(f'{x.item():.3f}' for x in mtp_losses)}, "
-                f"indexer KL {float(kl):.3f}, lr {float(lr):.2e}, sparse {sparse}, fp8 {QAT['on']}")
+                f"indexer KL {kl.item():.3f}, held-out {mean(bf16_loss(model, chunks[:4], dev)):.3f}, "
+                f"lr {float(lr):.2e}, sparse {sparse}, fp8 {QAT['on']}")
         step += 1
     model.eval()
     QAT["on"] = False
