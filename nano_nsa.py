@@ -20,7 +20,6 @@ import json
 import math
 import os
 import re
-import shutil
 import sys
 import time
 import zlib
@@ -1284,18 +1283,15 @@ def load_tokenizer(model_dir, cfg: Config):
     return tok
 
 
+DEMO_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "demo")
+
+
 def default_model_dir() -> str:
-    """The embedded default: a tiny random DeepSeek-V3.2 checkpoint with a byte-level tokenizer, written once."""
-    root = os.environ.get("NANO_NSA_CACHE", os.path.join(os.path.expanduser("~"), ".cache", "nano-nsa"))
-    path = os.path.join(root, "tiny-v1-seed0")
-    if not os.path.isfile(os.path.join(path, "model.safetensors.index.json")):
-        tmp = f"{path}.tmp{os.getpid()}"
-        print(f"writing the tiny random DeepSeek-V3.2 checkpoint to {path} (once)", file=sys.stderr, flush=True)
-        save_random_checkpoint(tmp, Config.tiny(), seed=0)
-        if os.path.isdir(path):
-            shutil.rmtree(path)
-        os.replace(tmp, path)
-    return path
+    """The embedded default: demo/, a tiny DeepSeek-V3.2 trained on Python's standard library (tools/train_demo.py)
+    and stored in the official FP8 format; it writes Python, and its MTP drafts are accepted."""
+    if not os.path.isfile(os.path.join(DEMO_DIR, "model.safetensors.index.json")):
+        raise ValueError(f"no --model given, and the demo checkpoint is missing from {DEMO_DIR}")
+    return DEMO_DIR
 
 
 # ------------------------------------------------------------------------------------------------------------
@@ -1769,7 +1765,7 @@ class _Parser(__import__("argparse").ArgumentParser):
 
 def main(argv=None):
     ap = _Parser(description="DeepSeek-V3.2 inference (DSA sparse attention, MTP speculative decoding).")
-    ap.add_argument("--model", help="DeepSeek-V3.2 checkpoint directory (default: a tiny random one, written once)")
+    ap.add_argument("--model", help="DeepSeek-V3.2 checkpoint directory (default: demo/, a tiny trained one)")
     ap.add_argument("--prompt", action="append", default=[], help="prompt text (repeatable)")
     ap.add_argument("--prompt-file", help="a file with one prompt per line")
     ap.add_argument("--max-new-tokens", type=int, default=64)

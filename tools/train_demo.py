@@ -291,30 +291,36 @@ class Model(nn.Module):
             for p in (layer.self_attn.o_proj.weight, ffn.down_proj.weight):
                 p.data *= 0.3
 
-    def forward(self, window, sparse):
-        """window [B, S + 2] tokens -> (main loss, [MTP loss of each depth], indexer KL)."""
-        c, S = self.c, window.shape[1] - 2
-        x, nxt = window[:, :S], window[:, 1:S + 1]
-        cos, sin = m.rope_cos_sin(c, torch.arange(S, device=window.device))
+    def forward(self, x, nxt, sparse, depths=DEPTHS):
+        """x [B, S] tokens, nxt [B, S] the tokens after them -> (logits [B, S, V], [MTP logits of each depth],
+        indexer KL). MTP depth d at position p predicts t[p + 2] from t[p + 1] = nxt[p] and a hidden state: the
+        main model's at p for d = 0, depth d-1's output at p - 1 after (as the engine's draft steps chain)."""
+        c, S = self.c, x.shape[1]
+        cos, sin = m.rope_cos_sin(c, torch.arange(S, device=x.device))
         h, kl = self.model.embed_tokens(x), 0.0
         for layer in self.model.layers[:-1]:
             h, k = layer(h, cos, sin, sparse)
             kl = kl + k
         h = self.model.norm(h)
-        main = F.cross_entropy(F.linear(h, self.lm_head.weight).flatten(0, 1).float(), nxt.flatten())
-        mtp, e, hid, losses = self.model.layers[-1], self.model.embed_tokens(nxt), h, []
-        for d in range(DEPTHS):              # depth d predicts t[p + 2] from t[p + 1] and depth d-1's state
-            u = fp8_free_eh(mtp, e, hid)
-            g, k = mtp(u, cos, sin, sparse)
+        mtp, e, hid, mtp_logits = self.model.layers[-1], self.model.embed_tokens(nxt), h, []
+        for d in range(depths):
+            g, k = mtp(eh_proj(mtp, e, hid), cos, sin, sparse)
             g = mtp.shared_head.norm(g)
             kl = kl + (k if d == 0 else 0.0)
-            logits = F.linear(g, self.lm_head.weight)[:, d:].flatten(0, 1).float()   # depth d: from position d
-            losses.append(F.cross_entropy(logits, window[:, d + 2:].flatten()))
-            hid = torch.cat([h[:, :1], g[:, :-1]], 1)                                    # depth d+1 at p reads p-1
-        return main, losses, kl
+            mtp_logits.append(F.linear(g, self.lm_head.weight))
+            hid = torch.cat([h[:, :1], g[:, :-1]], 1)
+        return F.linear(h, self.lm_head.weight), mtp_logits, kl
 
 
-def fp8_free_eh(mtp, e, h):                  # eh_proj is bf16 in the checkpoint, not FP8
+def losses(model, window, sparse, depths=DEPTHS):
+    """window [B, S + 2] -> (next-token loss, [next-next-token loss of each MTP depth], indexer KL)."""
+    S = window.shape[1] - 2
+    logits, mtp_logits, kl = model(window[:, :S], window[:, 1:S + 1], sparse, depths)
+    ce = lambda lg, tgt: F.cross_entropy(lg.flatten(0, 1).float(), tgt.flatten())  # noqa: E731
+    return ce(logits, window[:, 1:S + 1]), [ce(lg[:, d:], window[:, d + 2:]) for d, lg in enumerate(mtp_logits)], kl
+
+
+def eh_proj(mtp, e, h):                      # eh_proj is bf16 in the checkpoint, not FP8
     return F.linear(torch.cat([mtp.enorm(e), mtp.hnorm(h)], -1), mtp.eh_proj.weight)
 
 
@@ -335,7 +341,8 @@ def export(model, tok, path):
     p = f"model.layers.{c.n_layers}."
     w[p + "embed_tokens.weight"], w[p + "shared_head.head.weight"] = w["model.embed_tokens.weight"], w["lm_head.weight"]
     m.save_random_checkpoint(path, c, tokenizer=False, weights={k: v.detach().float().cpu() for k, v in w.items()})
-    m.save_tokenizer(path, tok)
+    if tok is not None:
+        m.save_tokenizer(path, tok)
 
 
 @torch.no_grad()
@@ -359,7 +366,7 @@ def bf16_loss(model, chunks, device):
     for ch in chunks:
         window = torch.cat([torch.as_tensor(ch, device=device), torch.zeros(1, dtype=torch.long, device=device)])
         with torch.autocast(device.type, torch.bfloat16, enabled=device.type == "cuda"):
-            out.append(model(window[None], sparse=True)[0].item())
+            out.append(losses(model, window[None], True, 0)[0].item())
     return out
 
 
@@ -407,7 +414,7 @@ def main():
         at = torch.randint(0, len(data) - SEQ - 2, (args.batch,), device=dev)
         window = data[at[:, None] + torch.arange(SEQ + 2, device=dev)]
         with torch.autocast(dev.type, torch.bfloat16, enabled=dev.type == "cuda"):
-            main_loss, mtp_losses, kl = model(window, sparse)
+            main_loss, mtp_losses, kl = losses(model, window, sparse)
         loss = main_loss + MTP_WEIGHT * sum(mtp_losses) / DEPTHS + kl
         opt.zero_grad(set_to_none=True)
         loss.backward()
