@@ -287,6 +287,8 @@ def decode(args, out):
             key = ("verify", next(b for b in llm.graphs.buckets["verify"] if b >= bs), llm.graphs.width(ctx + k + 1), 0)
             llm._forward("verify", tokens, meta)               # plan + static buffers for this step, then replay alone
             t_layers = cuda_time(llm.graphs.graphs[key][0].replay)
+            allreduce_ms = sum(e.device_time_total for e in kernel_events(llm.graphs.graphs[key][0].replay)
+                               if "nccl" in e.key.lower()) / 1e3 if m.tp_size() > 1 else 0.0
             if bs == 1 and ctx == points[0][1]:
                 extra[f"profile_mtp{k}"] = profile_replay(llm.graphs.graphs[key][0].replay, cfg.n_layers)
             for r in reqs:
@@ -295,7 +297,7 @@ def decode(args, out):
             row = dict(mtp=k, bs=bs, ctx=ctx, round_ms=ms, tok_per_round=toks, tok_s=toks / ms * 1e3,
                        step_GB=step_b / 1e9, roofline=step_b / bw / (ms / 1e3),
                        layers_ms=t_layers, layers_roofline=layers_b / bw / (t_layers / 1e3),
-                       experts=round(statistics.mean(seen), 1) if seen else 0)
+                       experts=round(statistics.mean(seen), 1) if seen else 0, tp=m.tp_size(), allreduce_ms=allreduce_ms)
             res.append(row)
             print(row, flush=True)
         # CUDA graphs vs eager, bs=1 at the first context
@@ -313,7 +315,8 @@ def decode(args, out):
     table(f"Decode rounds, Config.full(n_layers={args.layers}) + MTP layer, CUDA graphs; roofline = bytes the round "
           f"must read / measured HBM bandwidth ({bw / 1e12:.2f} TB/s) / round time",
           ["mtp", "bs", "ctx", "round ms", "tokens/round", "tokens/s", "GB/round", "roofline", "layers ms (graph)",
-           "layers roofline", "experts/MoE layer"], [tuple(r.values()) for r in res])
+           "layers roofline", "experts/MoE layer", "TP ranks", "all-reduce ms (layers graph)"],
+          [tuple(r.values()) for r in res])
     table("CUDA graphs vs eager (bs=1)", ["what", "eager ms", "graphs ms", "capture s", "graphs"],
           [(k_, *v.values()) for k_, v in extra.items() if k_.startswith("eager")])
     verify_attention(out)
@@ -355,15 +358,20 @@ def verify_attention(out):
     out["verify_attention"] = res
 
 
-def profile_replay(fn, n_layers, top=12):
-    """Kernels of one replay of a graph by total device time: where a step's time goes."""
+def kernel_events(fn):
+    """The CUDA kernels of one call of fn (torch.profiler), totals per kernel name."""
     from torch.profiler import profile, ProfilerActivity
     fn()
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         fn()
         torch.cuda.synchronize()
-    ev = [e for e in prof.key_averages() if e.device_type.name == "CUDA"]
+    return [e for e in prof.key_averages() if e.device_type.name == "CUDA"]
+
+
+def profile_replay(fn, n_layers, top=12):
+    """Kernels of one replay of a graph by total device time: where a step's time goes."""
+    ev = kernel_events(fn)
     total = sum(e.device_time_total for e in ev)
     rows = sorted(((e.key[:60], e.count, e.device_time_total / 1e3) for e in ev), key=lambda r: -r[2])[:top]
     table(f"One replay of the bs=1 verify graph ({n_layers} layers): {sum(e.count for e in ev)} kernels, "
