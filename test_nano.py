@@ -1640,6 +1640,8 @@ def test_gpu_tensor_parallel_equals_one(calm_tp_dir, tmp_path, n):
 
 
 if __name__ == "__main__" and sys.argv[1:2] == ["tp-run"]:      # torchrun test_nano.py tp-run DIR OUT DEVICE KERNELS
+    import faulthandler                                         # a hung rank: its Python stack, not a silent timeout
+    faulthandler.dump_traceback_later(float(os.environ.get("NANO_TP_HANG_S", 240)), exit=True)
     _tp_run(*sys.argv[2:6])
     torch.distributed.destroy_process_group()
 
