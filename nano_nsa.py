@@ -471,6 +471,13 @@ def all_gather(x):
     return torch.cat(parts, -1)
 
 
+def end_distributed(graphed):
+    """Leave torchrun's process group. NCCL cannot destroy a communicator whose collectives CUDA graphs captured
+    (destroy_process_group hangs: pytorch issue 115388), so then the ranks only meet once more and exit."""
+    if dist.is_initialized():
+        dist.barrier() if graphed else dist.destroy_process_group()
+
+
 def rank_slice(full, part):
     """The index of this rank's part of a checkpoint tensor of shape `full`, for a parameter of shape `part`: along
     the dimension the layer split (where part is smaller), the rank-th block of that size; the rest whole."""
@@ -1815,8 +1822,7 @@ def main(argv=None):
         return 1
     except KeyboardInterrupt:
         return 130
-    if dist.is_initialized():
-        dist.destroy_process_group()
+    end_distributed(llm.graphs is not None)
     s = llm.stats
     if quiet:
         return 0

@@ -1643,7 +1643,7 @@ if __name__ == "__main__" and sys.argv[1:2] == ["tp-run"]:      # torchrun test_
     import faulthandler                                         # a hung rank: its Python stack, not a silent timeout
     faulthandler.dump_traceback_later(float(os.environ.get("NANO_TP_HANG_S", 240)), exit=True)
     _tp_run(*sys.argv[2:6])
-    torch.distributed.destroy_process_group()
+    m.end_distributed(graphed=sys.argv[4] == "cuda")
 
 
 # ------------------------------------------------------------------------------------------------------------
