@@ -1520,13 +1520,22 @@ def _tp_run(model_dir, out, device="cpu", kernels="torch"):
     with 2 drafts, recording every indexer selection, every draft token and the bytes the loader read; saved to
     out/rank{r}.pt."""
     llm = m.LLM(model_dir, device=device, mtp=2, kernels=kernels, kv_cache_bytes=64 << 20)   # GPUs: room for ranks
-    llms = {0: m.LLM(model_dir, device=device, mtp=0, model=llm.model, kv_cache_bytes=64 << 20), 2: llm}
+    # MTP off runs eagerly: its indexer selections are recorded in every step (a CUDA graph's replays are not seen
+    # from Python); with 2 drafts the rounds run through CUDA graphs on a GPU (captured under NCCL at TP > 1)
+    llms = {0: m.LLM(model_dir, device=device, mtp=0, model=llm.model, kv_cache_bytes=64 << 20, cuda_graphs=False),
+            2: llm}
     llm.cfg.eos_token_id = -1                       # every request runs all its tokens
     with open(os.path.join(out, "prompts.json")) as f:
         prompts = json.load(f)
     ops, selections, drafts, pick = llm.model.ops, [], [], m.LLM._pick
     index_topk = ops.index_topk
-    ops.index_topk = lambda *a: selections.append(index_topk(*a)) or selections[-1]
+    capturing = torch.cuda.is_current_stream_capturing if device == "cuda" else (lambda: False)
+
+    def record(sel):
+        if not capturing():                           # a graph's capture: a static buffer, rewritten by replays
+            selections.append(sel.clone())
+        return sel
+    ops.index_topk = lambda *a: record(index_topk(*a))
     m.LLM._pick = lambda *a: drafts.append(pick(*a)) or drafts[-1]
     try:
         runs = {k: e.generate(prompts, max_new_tokens=8, return_logits=True) for k, e in llms.items()}
