@@ -1749,3 +1749,20 @@ def test_demo_training_copy_computes_what_the_engine_computes(tmp_path):
         spread = (a.log_softmax(-1) - a.log_softmax(-1)[torch.randperm(S)]).abs().mean().item()
         print(f"{what}: mean |log p| difference {diff:.4f} (between positions: {spread:.3f}), top-1 agreement {agree:.3f}")
         assert diff < 0.1 * spread and agree >= 0.75
+
+
+def test_train_demo_smoke_runs_every_stage(tmp_path):
+    """tools/train_demo.py --smoke: corpus, tokenizer, a few training steps through the dense, sparse and FP8 phases,
+    export, and the engine's measurements; the checkpoint passes the loader's checks and its tokenizer the engine's."""
+    import subprocess
+    here = os.path.dirname(os.path.abspath(__file__))
+    r = subprocess.run([sys.executable, os.path.join(here, "tools", "train_demo.py"), "--out", str(tmp_path), "--smoke"],
+                       capture_output=True, text=True, timeout=600, env=dict(os.environ, OMP_NUM_THREADS="1"))
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert "sparse True, fp8 True" in r.stdout                          # the last phase ran
+    cfg = m.open_checkpoint(str(tmp_path))
+    m.load_tokenizer(str(tmp_path), cfg)
+    with open(tmp_path / "eval.json") as f:
+        ev = json.load(f)
+    assert len(ev["heldout_chunks"]) == len(ev["bf16_loss"]) == len(ev["fp8_engine_loss"]) == 2 and ev["prompts"]
+    assert abs(sum(ev["fp8_engine_loss"]) / sum(ev["bf16_loss"]) - 1) < 0.02
