@@ -40,9 +40,7 @@ FP8_MAX = 448.0
 BF16 = torch.bfloat16
 
 
-# ------------------------------------------------------------------------------------------------------------
-# Config, and the checks that give every fault in a user value or a model file one ValueError line naming it
-# ------------------------------------------------------------------------------------------------------------
+# ---- Config, and the checks that give every fault in a user value or a model file one ValueError line ----------
 def _is_num(v, integer=False):         # finite (not nan, inf, or beyond the float range), never a bool
     return isinstance(v, Integral if integer else Real) and not isinstance(v, bool) and abs(v) <= sys.float_info.max
 
@@ -175,8 +173,7 @@ class Config:
     @classmethod
     def from_json(cls, path):
         """Build from an HF DeepSeek-V3.2 `config.json` (a file or the directory holding it)."""
-        if os.path.isdir(path):
-            path = os.path.join(path, "config.json")
+        path = os.path.join(path, "config.json") if os.path.isdir(path) else path
         if not os.path.isfile(path):
             raise ValueError(f"no config.json at {path}")
         hf = read_json(path)
@@ -185,9 +182,8 @@ class Config:
             raise ValueError(f"{path} is not a DeepSeek-V3.2 config (model_type={hf.get('model_type')!r})")
         if not isinstance(q, dict) or not isinstance(rope, dict):
             raise ValueError(f"{path}: quantization_config and rope_scaling must be JSON objects")
-        want = dict(scoring_func="sigmoid", topk_method="noaux_tc", hidden_act="silu", norm_topk_prob=True,
-                    tie_word_embeddings=False)
-        for k, v in want.items():
+        for k, v in dict(scoring_func="sigmoid", topk_method="noaux_tc", hidden_act="silu", norm_topk_prob=True,
+                         tie_word_embeddings=False).items():
             if k in hf and hf[k] != v:
                 raise ValueError(f"{path}: {k}={hf[k]!r} is not supported (DeepSeek-V3.2 uses {v!r})")
         if q.get("quant_method") != "fp8" or q.get("fmt", "e4m3") != "e4m3" or \
@@ -200,6 +196,8 @@ class Config:
         names = {f.name for f in fields(cls)}
         kw = {cls.HF_NAMES.get(k, k): v for k, v in hf.items() if cls.HF_NAMES.get(k, k) in names}
         kw.update({ours: rope[k] for k, ours in cls.ROPE_NAMES.items() if k in rope})
+
+
         try:
             return cls(**kw)
         except ValueError as e:
@@ -208,20 +206,17 @@ class Config:
     def to_hf(self):
         """The HF config.json dict, in the official checkpoint's layout."""
         inv = {v: k for k, v in self.HF_NAMES.items()}
-        rope_keys = set(self.ROPE_NAMES.values())
-        hf = dict(architectures=["DeepseekV32ForCausalLM"], model_type="deepseek_v32",
-                  transformers_version="4.44.2", num_key_value_heads=self.n_heads, attention_bias=False,
-                  attention_dropout=0.0, moe_layer_freq=1, scoring_func="sigmoid", topk_method="noaux_tc",
-                  norm_topk_prob=True, ep_size=1, hidden_act="silu", initializer_range=0.02,
-                  tie_word_embeddings=False, torch_dtype="bfloat16", use_cache=True)
-        for f in fields(self):
-            if f.name not in rope_keys:
-                hf[inv.get(f.name, f.name)] = getattr(self, f.name)
-        hf["rope_scaling"] = dict(type="yarn", mscale_all_dim=self.mscale,
-                                  **{k: getattr(self, ours) for k, ours in self.ROPE_NAMES.items()})
-        hf["quantization_config"] = dict(quant_method="fp8", fmt="e4m3", activation_scheme="dynamic",
-                                         weight_block_size=[BLOCK, BLOCK], scale_fmt="ue8m0")
-        return hf
+        return dict(architectures=["DeepseekV32ForCausalLM"], model_type="deepseek_v32",
+                    transformers_version="4.44.2", num_key_value_heads=self.n_heads, attention_bias=False,
+                    attention_dropout=0.0, moe_layer_freq=1, scoring_func="sigmoid", topk_method="noaux_tc",
+                    norm_topk_prob=True, ep_size=1, hidden_act="silu", initializer_range=0.02,
+                    tie_word_embeddings=False, torch_dtype="bfloat16", use_cache=True,
+                    **{inv.get(f.name, f.name): getattr(self, f.name) for f in fields(self)
+                       if f.name not in self.ROPE_NAMES.values()},
+                    rope_scaling=dict(type="yarn", mscale_all_dim=self.mscale,
+                                      **{k: getattr(self, ours) for k, ours in self.ROPE_NAMES.items()}),
+                    quantization_config=dict(quant_method="fp8", fmt="e4m3", activation_scheme="dynamic",
+                                             weight_block_size=[BLOCK, BLOCK], scale_fmt="ue8m0"))
 
     @classmethod
     def full(cls, n_layers=61):
@@ -238,61 +233,49 @@ class Config:
         return cls(**{**base, **kw})
 
 
-# ------------------------------------------------------------------------------------------------------------
-# Checkpoint format: the official HF names, shapes and dtypes (spec section 2)
-# ------------------------------------------------------------------------------------------------------------
+# ---- Checkpoint format: the official HF names, shapes and dtypes (spec section 2) --------------------------------
 # kinds: "fp8" = float8_e4m3fn weight + float32 `weight_scale_inv` per 128x128 block; "bf16" = plain bf16 matrix;
 # "norm" = norm weight (bf16, or fp32 in some conversions); "f32" = fp32 vector (router bias).
 ALLOWED_DTYPES = {"fp8": (FP8,), "scale": (torch.float32,), "bf16": (BF16,), "norm": (BF16, torch.float32),
                   "f32": (torch.float32,)}
 
 
-def _layer_tensors(cfg: Config, i: int, moe: bool):
-    p = f"model.layers.{i}."
-    H, q_dim = cfg.n_heads, cfg.n_heads * cfg.qk_head_dim
-    t = {p + "input_layernorm.weight": ([cfg.dim], "norm"),
-         p + "self_attn.q_a_proj.weight": ([cfg.q_lora_rank, cfg.dim], "fp8"),
-         p + "self_attn.q_a_layernorm.weight": ([cfg.q_lora_rank], "norm"),
-         p + "self_attn.q_b_proj.weight": ([q_dim, cfg.q_lora_rank], "fp8"),
-         p + "self_attn.kv_a_proj_with_mqa.weight": ([cfg.kv_lora_rank + cfg.qk_rope_head_dim, cfg.dim], "fp8"),
-         p + "self_attn.kv_a_layernorm.weight": ([cfg.kv_lora_rank], "norm"),
-         p + "self_attn.kv_b_proj.weight": ([H * (cfg.qk_nope_head_dim + cfg.v_head_dim), cfg.kv_lora_rank], "fp8"),
-         p + "self_attn.o_proj.weight": ([cfg.dim, H * cfg.v_head_dim], "fp8"),
-         p + "self_attn.indexer.wq_b.weight": ([cfg.index_n_heads * cfg.index_head_dim, cfg.q_lora_rank], "fp8"),
-         p + "self_attn.indexer.wk.weight": ([cfg.index_head_dim, cfg.dim], "fp8"),
-         p + "self_attn.indexer.k_norm.weight": ([cfg.index_head_dim], "norm"),
-         p + "self_attn.indexer.k_norm.bias": ([cfg.index_head_dim], "norm"),
-         p + "self_attn.indexer.weights_proj.weight": ([cfg.index_n_heads, cfg.dim], "bf16"),
-         p + "post_attention_layernorm.weight": ([cfg.dim], "norm")}
-    mlps = {}
-    if moe:
-        t[p + "mlp.gate.weight"] = ([cfg.n_routed_experts, cfg.dim], "bf16")
-        t[p + "mlp.gate.e_score_correction_bias"] = ([cfg.n_routed_experts], "f32")
-        mlps.update({f"mlp.experts.{e}.": cfg.moe_inter_dim for e in range(cfg.n_routed_experts)})
-        mlps["mlp.shared_experts."] = cfg.moe_inter_dim * cfg.n_shared_experts
-    else:
-        mlps["mlp."] = cfg.inter_dim
-    for m, inter in mlps.items():
-        t[p + m + "gate_proj.weight"] = ([inter, cfg.dim], "fp8")
-        t[p + m + "up_proj.weight"] = ([inter, cfg.dim], "fp8")
-        t[p + m + "down_proj.weight"] = ([cfg.dim, inter], "fp8")
-    return t
-
-
 def checkpoint_tensors(cfg: Config):
     """{HF tensor name: (shape, kind)} for every tensor of the official checkpoint, scales included."""
-    t = {"model.embed_tokens.weight": ([cfg.vocab_size, cfg.dim], "bf16")}
+    H, I, J, dim = cfg.n_heads, cfg.index_n_heads, cfg.index_head_dim, cfg.dim
+    t = {"model.embed_tokens.weight": ([cfg.vocab_size, dim], "bf16")}
     for i in range(cfg.n_layers + cfg.n_mtp_layers):
+        p = f"model.layers.{i}."
+        a = p + "self_attn."
         if i >= cfg.n_layers:   # MTP layer (spec 2.3): its own embedding/head copies, norms, eh_proj, a MoE block
-            p = f"model.layers.{i}."
-            t.update({p + "embed_tokens.weight": ([cfg.vocab_size, cfg.dim], "bf16"),
-                      p + "enorm.weight": ([cfg.dim], "norm"), p + "hnorm.weight": ([cfg.dim], "norm"),
-                      p + "eh_proj.weight": ([cfg.dim, 2 * cfg.dim], "bf16"),
-                      p + "shared_head.norm.weight": ([cfg.dim], "norm"),
-                      p + "shared_head.head.weight": ([cfg.vocab_size, cfg.dim], "bf16")})
-        t.update(_layer_tensors(cfg, i, moe=i >= cfg.n_dense_layers))
-    t["model.norm.weight"] = ([cfg.dim], "norm")
-    t["lm_head.weight"] = ([cfg.vocab_size, cfg.dim], "bf16")
+            t.update({p + "embed_tokens.weight": ([cfg.vocab_size, dim], "bf16"),
+                      p + "enorm.weight": ([dim], "norm"), p + "hnorm.weight": ([dim], "norm"),
+                      p + "eh_proj.weight": ([dim, 2 * dim], "bf16"), p + "shared_head.norm.weight": ([dim], "norm"),
+                      p + "shared_head.head.weight": ([cfg.vocab_size, dim], "bf16")})
+        t.update({p + "input_layernorm.weight": ([dim], "norm"),
+                  a + "q_a_proj.weight": ([cfg.q_lora_rank, dim], "fp8"),
+                  a + "q_a_layernorm.weight": ([cfg.q_lora_rank], "norm"),
+                  a + "q_b_proj.weight": ([H * cfg.qk_head_dim, cfg.q_lora_rank], "fp8"),
+                  a + "kv_a_proj_with_mqa.weight": ([cfg.kv_lora_rank + cfg.qk_rope_head_dim, dim], "fp8"),
+                  a + "kv_a_layernorm.weight": ([cfg.kv_lora_rank], "norm"),
+                  a + "kv_b_proj.weight": ([H * (cfg.qk_nope_head_dim + cfg.v_head_dim), cfg.kv_lora_rank], "fp8"),
+                  a + "o_proj.weight": ([dim, H * cfg.v_head_dim], "fp8"),
+                  a + "indexer.wq_b.weight": ([I * J, cfg.q_lora_rank], "fp8"),
+                  a + "indexer.wk.weight": ([J, dim], "fp8"),
+                  a + "indexer.k_norm.weight": ([J], "norm"), a + "indexer.k_norm.bias": ([J], "norm"),
+                  a + "indexer.weights_proj.weight": ([I, dim], "bf16"),
+                  p + "post_attention_layernorm.weight": ([dim], "norm")})
+        mlps = {"mlp.": cfg.inter_dim}
+        if i >= cfg.n_dense_layers:                     # MoE: router, routed experts, shared expert
+            t[p + "mlp.gate.weight"] = ([cfg.n_routed_experts, dim], "bf16")
+            t[p + "mlp.gate.e_score_correction_bias"] = ([cfg.n_routed_experts], "f32")
+            mlps = {f"mlp.experts.{e}.": cfg.moe_inter_dim for e in range(cfg.n_routed_experts)}
+            mlps["mlp.shared_experts."] = cfg.moe_inter_dim * cfg.n_shared_experts
+        for m, inter in mlps.items():
+            t[p + m + "gate_proj.weight"] = t[p + m + "up_proj.weight"] = ([inter, dim], "fp8")
+            t[p + m + "down_proj.weight"] = ([dim, inter], "fp8")
+    t["model.norm.weight"] = ([dim], "norm")
+    t["lm_head.weight"] = ([cfg.vocab_size, dim], "bf16")
     for name, (shape, kind) in list(t.items()):
         if kind == "fp8":
             t[name + "_scale_inv"] = ([-(-shape[0] // BLOCK), -(-shape[1] // BLOCK)], "scale")
@@ -305,12 +288,15 @@ HF_TO_OURS = {"embed_tokens": "embed", "input_layernorm": "attn_norm", "post_att
               "kv_a_layernorm": "kv_norm", "kv_b_proj": "wkv_b", "o_proj": "wo", "gate_proj": "w1",
               "down_proj": "w2", "up_proj": "w3", "lm_head": "head", "self_attn": "attn", "mlp": "ffn",
               "weight_scale_inv": "scale", "e_score_correction_bias": "bias"}
-
-
 MTP_OWN = {"embed_tokens", "enorm", "hnorm", "eh_proj", "shared_head"}   # MTP-layer names outside its block
-
-
 EXPERT = re.compile(r"(.*\.experts)\.(\d+)\.(w[123])\.(weight|scale)$")
+
+
+def ours_name(cfg: Config, hf_name: str) -> str:
+    parts = hf_name.removeprefix("model.").split(".")
+    if parts[0] == "layers" and int(parts[1]) >= cfg.n_layers:       # MTP layer: its decoder block is `block`
+        parts = ["mtp", str(int(parts[1]) - cfg.n_layers)] + ([] if parts[2] in MTP_OWN else ["block"]) + parts[2:]
+    return ".".join(HF_TO_OURS.get(p, p) for p in parts)
 
 
 def load_target(params, cfg: Config, hf_name: str):
@@ -330,13 +316,6 @@ def load_target(params, cfg: Config, hf_name: str):
         return params[f"{base}.w2.{kind}"][e]
     rows = cfg.moe_inter_dim // (BLOCK if kind == "scale" else 1)
     return params[f"{base}.w13.{kind}"][e].narrow(0, rows * (w == "w3"), rows)
-
-
-def ours_name(cfg: Config, hf_name: str) -> str:
-    parts = hf_name.removeprefix("model.").split(".")
-    if parts[0] == "layers" and int(parts[1]) >= cfg.n_layers:       # MTP layer: its decoder block is `block`
-        parts = ["mtp", str(int(parts[1]) - cfg.n_layers)] + ([] if parts[2] in MTP_OWN else ["block"]) + parts[2:]
-    return ".".join(HF_TO_OURS.get(p, p) for p in parts)
 
 
 def _per_element(scale: torch.Tensor, shape) -> torch.Tensor:
@@ -398,28 +377,20 @@ def save_random_checkpoint(path, config: Config, seed: int = 0, shard_bytes: int
     if tokenizer:
         write_byte_tokenizer(path, config.vocab_size)
     shards, cur, total = [], {}, 0          # shards: the tensor names of each shard written so far
-
-    def flush():                            # shard count is known only at the end: temporary names until then
-        nonlocal cur
-        save_file(cur, os.path.join(path, f".shard{len(shards)}.tmp"), metadata={"format": "pt"})
-        shards.append(list(cur))
-        cur = {}
-
     spec = {k: v for k, v in checkpoint_tensors(config).items() if v[1] != "scale"}
-    for name, (shape, kind) in tqdm(spec.items(), desc="writing checkpoint", unit="tensor", leave=False):
+    for i, (name, (shape, kind)) in enumerate(tqdm(spec.items(), desc="writing checkpoint", unit="tensor",
+                                                   leave=False)):
         w = random_weight(name, shape, kind, seed, device)
-        if kind == "fp8":
-            q, s = quantize_weight(w)
-            cur.update({name: q.cpu().contiguous(), name + "_scale_inv": s.cpu().contiguous()})
-            total += q.numel() + 4 * s.numel()
-        else:
-            cur[name] = w.to(stored_dtype(name, kind)).cpu().contiguous()
-            total += cur[name].numel() * cur[name].element_size()
-        if sum(t.numel() * t.element_size() for t in cur.values()) >= shard_bytes:
-            flush()
-    if cur:
-        flush()
+        w = zip((name, name + "_scale_inv"), quantize_weight(w)) if kind == "fp8" else \
+            [(name, w.to(stored_dtype(name, kind)))]
+        cur.update({n: t.cpu().contiguous() for n, t in w})
+        size = sum(t.numel() * t.element_size() for t in cur.values())
+        if size >= shard_bytes or i == len(spec) - 1:   # the shard count is known only at the end: temporary names
+            save_file(cur, os.path.join(path, f".shard{len(shards)}.tmp"), metadata={"format": "pt"})
+            shards.append(list(cur))
+            cur, total = {}, total + size
     weight_map = {}
+
     for i, names in enumerate(shards):
         fname = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
         os.replace(os.path.join(path, f".shard{i}.tmp"), os.path.join(path, fname))
@@ -428,9 +399,7 @@ def save_random_checkpoint(path, config: Config, seed: int = 0, shard_bytes: int
         json.dump({"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}, f, indent=2)
 
 
-# ------------------------------------------------------------------------------------------------------------
-# Tensor and expert parallelism (torchrun): every rank holds a shard of the weights and runs the same schedule
-# ------------------------------------------------------------------------------------------------------------
+# ---- Tensor and expert parallelism (torchrun): each rank holds a shard of the weights, runs the same schedule ---
 # Split by rank: MLA heads, dense MLP and shared expert (w1 / w3 rows, w2 columns), routed experts (by index range),
 # vocabulary. Replicated: the rest, the indexer and latent KV cache included (every rank selects the same positions).
 # One all-reduce per block half (Block), one all-gather of the logits; sampling is identical on every rank.
@@ -477,9 +446,7 @@ def rank_slice(full, part):
     return tuple(slice(None) if f == p else slice(r * p, r * p + p) for f, p in zip(full, part))
 
 
-# ------------------------------------------------------------------------------------------------------------
-# Building blocks: FP8 activation quantization and linear, norms, YaRN RoPE, Hadamard
-# ------------------------------------------------------------------------------------------------------------
+# ---- Building blocks: FP8 activation quantization and linear, norms, YaRN RoPE, Hadamard -------------------------
 def pow2_ceil(x: torch.Tensor) -> torch.Tensor:
     """Smallest power of two >= x (x > 0), exactly (the reference's exponent bit trick, via frexp)."""
     m, e = torch.frexp(x)                                                   # x = m * 2^e, m in [0.5, 1)
@@ -639,9 +606,7 @@ def hadamard(x: torch.Tensor) -> torch.Tensor:
     return (y * n ** -0.5).to(BF16)
 
 
-# ------------------------------------------------------------------------------------------------------------
-# Forward metadata and the per-layer cache view
-# ------------------------------------------------------------------------------------------------------------
+# ---- Forward metadata and the per-layer cache view ---------------------------------------------------------------
 def to_device(x: torch.Tensor, device) -> torch.Tensor:
     """Host -> device without waiting: a copy from pageable memory blocks the host until the GPU reaches it, so the
     engine could never run ahead of the GPU. (torch reuses a pinned block only once its copy has run.)"""
@@ -709,9 +674,7 @@ class LayerCache:
         return self.latent[:, self.C:]
 
 
-# ------------------------------------------------------------------------------------------------------------
-# Lightning indexer (DSA): picks the top-K context positions for every query row (spec 3.7)
-# ------------------------------------------------------------------------------------------------------------
+# ---- Lightning indexer (DSA): picks the top-K context positions for every query row (spec 3.7) -------------------
 def index_quant(x):
     """The indexer's q and k before scoring: Hadamard, then FP8 with one power-of-two scale per 128-vector."""
     return act_quant(hadamard(x))
@@ -782,9 +745,7 @@ class Indexer(nn.Module):
         return self.ops.index_topk(q8, w, cache, meta, cfg.index_topk)
 
 
-# ------------------------------------------------------------------------------------------------------------
-# MLA: multi-head latent attention over the indexer's selection (spec 3.6, 3.8)
-# ------------------------------------------------------------------------------------------------------------
+# ---- MLA: multi-head latent attention over the indexer's selection (spec 3.6, 3.8) -------------------------------
 def sparse_mla(q_abs, q_pe, cache: LayerCache, slots, meta: Meta, scale):
     """Absorbed ("MQA") sparse attention, one query row per token: the reference of the sparse MLA decode kernel.
     q_abs [T, H, C] (q_nope already multiplied into the latent space), q_pe [T, H, R]; slots [T, K] each row's
@@ -857,9 +818,7 @@ class MLA(nn.Module):
         return self.ops.dense_attention(q, k, kvf[..., D:], self.cfg.softmax_scale)   # [S, H, V]
 
 
-# ------------------------------------------------------------------------------------------------------------
-# Feed-forward: SwiGLU MLP and the sigmoid-routed, group-limited MoE (spec 3.4, 3.9)
-# ------------------------------------------------------------------------------------------------------------
+# ---- Feed-forward: SwiGLU MLP and the sigmoid-routed, group-limited MoE (spec 3.4, 3.9) --------------------------
 class MLP(nn.Module):
     """SwiGLU; a rank holds inter_dim / ranks of it: its output is an unrounded part of the sum (Block adds them)."""
     def __init__(self, dim, inter_dim):
@@ -927,9 +886,7 @@ class MoE(nn.Module):
         return y + self.shared_experts(x)
 
 
-# ------------------------------------------------------------------------------------------------------------
-# Block, Transformer, MTP layer (spec 3.10, 3.11)
-# ------------------------------------------------------------------------------------------------------------
+# ---- Block, Transformer, MTP layer (spec 3.10, 3.11) -------------------------------------------------------------
 class Block(nn.Module):
     def __init__(self, cfg: Config, moe: bool):
         super().__init__()
@@ -972,9 +929,7 @@ class MTP(nn.Module):
         return all_gather(self.shared_head.head(h))                   # fp32 [T, vocab] (vocabulary slices joined)
 
 
-# ------------------------------------------------------------------------------------------------------------
-# The kernel boundary: the few names through which the GPU path plugs in
-# ------------------------------------------------------------------------------------------------------------
+# ---- The kernel boundary: the few names through which the GPU path plugs in --------------------------------------
 # Layers call these through `self.ops`. Transformer.bind points every layer at one set, once, at load: TORCH_OPS
 # (the readable references above, on any device) or kernels.GPU_OPS (the same names and signatures).
 TORCH_OPS = SimpleNamespace(
@@ -1058,9 +1013,7 @@ class KVCache:
         return LayerCache(self.latent[i], self.ik[i], self.iks[i], self.C)
 
 
-# ------------------------------------------------------------------------------------------------------------
-# Loader: reads any DeepSeek-V3.2 checkpoint directory shard by shard, validating every tensor
-# ------------------------------------------------------------------------------------------------------------
+# ---- Loader: reads any DeepSeek-V3.2 checkpoint directory shard by shard, validating every tensor ----------------
 SAFETENSORS_DTYPES = {"F8_E4M3": FP8, "BF16": BF16, "F32": torch.float32}     # the ones DeepSeek-V3.2 uses
 
 
@@ -1190,12 +1143,8 @@ def _share_mtp_copies(model):
     return model
 
 
-# ============================================================================================================
-# Part 2: the engine
-# ============================================================================================================
-# ------------------------------------------------------------------------------------------------------------
-# Tokenizer and DeepSeek-V3.2 chat encoding (spec section 5)
-# ------------------------------------------------------------------------------------------------------------
+# ==== Part 2: the engine ==========================================================================================
+# ---- Tokenizer and DeepSeek-V3.2 chat encoding (spec section 5) --------------------------------------------------
 BOS, EOS = "<｜begin▁of▁sentence｜>", "<｜end▁of▁sentence｜>"
 USER, ASSISTANT, THINK, END_THINK = "<｜User｜>", "<｜Assistant｜>", "<think>", "</think>"
 
@@ -1291,9 +1240,7 @@ def default_model_dir() -> str:
     return path
 
 
-# ------------------------------------------------------------------------------------------------------------
-# Sampling and speculative acceptance
-# ------------------------------------------------------------------------------------------------------------
+# ---- Sampling and speculative acceptance -------------------------------------------------------------------------
 def probs_from_logits(logits, temperature, top_p):
     """fp32 logits [n, V] -> sampling distribution: softmax(logits / T) restricted to the top-p nucleus."""
     p = torch.softmax(logits.float() / temperature, -1)
@@ -1335,9 +1282,7 @@ def speculative_accept(draft, q, logits, temperature, top_p, gen):
     return draft + [int(sample_no_sync(p[-1], gen))]
 
 
-# ------------------------------------------------------------------------------------------------------------
-# Engine: requests, paged KV pool, continuous batching, the MTP speculative loop
-# ------------------------------------------------------------------------------------------------------------
+# ---- Engine: requests, paged KV pool, continuous batching, the MTP speculative loop ------------------------------
 @dataclass
 class Request:
     idx: int                     # position in the caller's prompt list
@@ -1752,9 +1697,7 @@ class CudaGraphs:
         return out[:T]
 
 
-# ------------------------------------------------------------------------------------------------------------
-# CLI
-# ------------------------------------------------------------------------------------------------------------
+# ---- CLI ---------------------------------------------------------------------------------------------------------
 class _Parser(__import__("argparse").ArgumentParser):
     def error(self, message):                                   # one line, no usage dump
         self.exit(2, f"error: {message}\n")
