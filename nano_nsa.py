@@ -325,9 +325,8 @@ def _per_element(scale: torch.Tensor, shape) -> torch.Tensor:
 
 def quantize_weight(w: torch.Tensor):
     """fp32 [out, in] -> (float8_e4m3fn weight, float32 scale_inv [ceil(out/128), ceil(in/128)]), pow2 scales."""
-    out_f, in_f = w.shape
-    ro, ri = -(-out_f // BLOCK), -(-in_f // BLOCK)
-    pad = F.pad(w.float(), (0, ri * BLOCK - in_f, 0, ro * BLOCK - out_f))
+    ro, ri = -(-w.shape[0] // BLOCK), -(-w.shape[1] // BLOCK)
+    pad = F.pad(w.float(), (0, ri * BLOCK - w.shape[1], 0, ro * BLOCK - w.shape[0]))
     amax = pad.view(ro, BLOCK, ri, BLOCK).abs().amax(dim=(1, 3)).clamp(min=1e-4)
     scale = pow2_ceil(amax / FP8_MAX)                                   # ue8m0: scales are powers of two
     return (w / _per_element(scale, w.shape)).to(FP8), scale
@@ -350,9 +349,8 @@ def random_weight(name: str, shape, kind: str, seed: int, device="cpu") -> torch
         return (1.0 + 0.1 * x) if name.endswith("weight") else 0.1 * x      # LayerNorm bias is small
     if kind == "f32":
         return 0.05 * x                                                    # router bias: selection only
-    if "embed_tokens" in name:
-        return x
-    return x * shape[1] ** -0.5                                             # unit-gain projections
+    return x if "embed_tokens" in name else x * shape[1] ** -0.5            # else unit-gain projections
+
 
 
 def stored_dtype(name, kind):
@@ -478,9 +476,8 @@ def fp8_linear(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, partial=Fa
     """y = act_quant(x) @ W^T for a block-scaled FP8 weight (the reference `fp8_gemm`), bf16 out (partial: the
     unrounded accumulator, a rank's share of a sum rounded once after the all-reduce).
     With pow2 scales both operands are exact in fp32, so an fp32 GEMM equals the reference up to summation order."""
-    xq = act_dequant(*act_quant(x))                                         # never skip: 3-bit mantissa error
-    acc = acc_dtype(x)
-    y = F.linear(xq.to(acc), weight_dequant(w, scale).to(acc))
+    acc = acc_dtype(x)                                    # act_quant is never skipped: 3-bit mantissa error
+    y = F.linear(act_dequant(*act_quant(x)).to(acc), weight_dequant(w, scale).to(acc))
     return y if partial else y.to(BF16)
 
 
@@ -495,8 +492,7 @@ def _param(*shape, dtype):
 
 def dense_linear(x, w):
     """x W^T for a plain (bf16 / fp32) weight, fp32 out; callers round if needed."""
-    acc = acc_dtype(x)
-    return F.linear(x.to(acc), w.to(acc)).float()
+    return F.linear(x.to(acc_dtype(x)), w.to(acc_dtype(x))).float()
 
 
 class Linear(nn.Module):
@@ -517,9 +513,9 @@ class Linear(nn.Module):
             if fp8 else None
 
     def forward(self, x):
-        if self.scale is not None:
-            return self.ops.fp8_linear(x, self.weight, self.scale, self.partial)
-        return self.ops.dense_linear(x, self.weight)
+        if self.scale is None:
+            return self.ops.dense_linear(x, self.weight)
+        return self.ops.fp8_linear(x, self.weight, self.scale, self.partial)
 
 
 class RMSNorm(nn.Module):
@@ -569,6 +565,9 @@ def yarn_freqs(cfg: Config) -> torch.Tensor:
     return freqs / cfg.rope_factor * ramp + freqs * (1 - ramp)
 
 
+_FREQS = {}                                      # yarn_freqs on each device, by the config fields they depend on
+
+
 def rope_cos_sin(cfg: Config, positions: torch.Tensor):
     """cos/sin of theta[t, i] = fp32(t) * f'_i, each [T, R/2] fp32. (mscale goes into the softmax scale only.)"""
     key = (cfg.qk_rope_head_dim, cfg.rope_theta, cfg.rope_factor, cfg.original_seq_len, cfg.max_seq_len,
@@ -579,9 +578,6 @@ def rope_cos_sin(cfg: Config, positions: torch.Tensor):
     return theta.cos(), theta.sin()
 
 
-_FREQS = {}
-
-
 def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: bool) -> torch.Tensor:
     """Rotate x [T, ..., R] by position. interleaved (MLA): pairs (x[2i], x[2i+1]); half-split (indexer):
     pairs (x[i], x[i + R/2]). fp32 math, bf16 out."""
@@ -590,15 +586,14 @@ def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: boo
     shape = (cos.shape[0],) + (1,) * (x.dim() - 2) + (cos.shape[1],)       # broadcast over heads
     cos, sin = cos.view(shape), sin.view(shape)
     o1, o2 = x1 * cos - x2 * sin, x1 * sin + x2 * cos
-    out = torch.stack((o1, o2), -1).flatten(-2) if interleaved else torch.cat((o1, o2), -1)
-    return out.to(BF16)
+    return (torch.stack((o1, o2), -1).flatten(-2) if interleaved else torch.cat((o1, o2), -1)).to(BF16)
 
 
 def hadamard(x: torch.Tensor) -> torch.Tensor:
     """Walsh-Hadamard transform over the last dim in Sylvester order, scaled by n^-0.5 (x @ H_n / sqrt(n));
     fp32 math, bf16 in/out. Orthogonal: it keeps dot products and spreads outliers before FP8 quantization."""
-    n = x.shape[-1]
-    y, h = x.float(), 1
+    n, y, h = x.shape[-1], x.float(), 1
+
     while h < n:                                       # butterfly: pairs (i, i + h) inside blocks of 2h
         y = y.unflatten(-1, (n // (2 * h), 2, h))
         y = torch.stack((y[..., 0, :] + y[..., 1, :], y[..., 0, :] - y[..., 1, :]), dim=-2).flatten(-3)
@@ -617,9 +612,7 @@ def to_device(x: torch.Tensor, device) -> torch.Tensor:
 class Meta:
     """Everything a forward pass needs to know about its batch; built once per step, shared by every layer.
     mode 'prefill': rows are chunks of prompts; 'decode' / 'verify': every row is its own decode query with its
-    own causal length, one row per request or k+1 rows per request. Attention runs in one of two forms:
-    dense per-head causal attention for prompt chunks whose context fits in top-k (DSA selects everything
-    there), and sparse absorbed rows (each row its top-k slots) for every other row, prefill rows included."""
+    own causal length, one row per request or k+1 rows per request."""
     mode: str
     positions: torch.Tensor      # [T] absolute position of each row's token
     slots: torch.Tensor          # [T] KV-pool slot the row's token is written to
@@ -635,12 +628,11 @@ class Meta:
     @classmethod
     def build(cls, mode, starts, lens, table):
         """Request b has rows for positions starts[b] .. starts[b] + lens[b] - 1."""
-        dev = table.device
         positions = torch.cat([torch.arange(s, s + n) for s, n in zip(starts, lens)])
-        row_req = to_device(torch.repeat_interleave(torch.arange(len(lens)), torch.tensor(lens)), dev)
-        cu = list(accumulate(lens, initial=0))
-        pos = to_device(positions, dev)
-        return cls(mode, pos, table[row_req, pos], row_req, table, pos + 1, cu, positions + 1, int(positions.max()) + 1)
+        row_req = to_device(torch.repeat_interleave(torch.arange(len(lens)), torch.tensor(lens)), table.device)
+        pos = to_device(positions, table.device)
+        return cls(mode, pos, table[row_req, pos], row_req, table, pos + 1, list(accumulate(lens, initial=0)),
+                   positions + 1, int(positions.max()) + 1)
 
     def step(self, j):
         """The same rows j positions later: the draft steps of a round shift one Meta instead of rebuilding it."""
@@ -649,8 +641,10 @@ class Meta:
                        ctx_host=self.ctx_host + j, max_ctx=self.max_ctx + j, plan=None)
 
     def dense(self, index_topk):
-        """True for prompt chunks whose whole context fits in top-k: DSA selects every position, so attention
-        is plain causal attention (per-head form) and the indexer only stores its keys."""
+        """True for prompt chunks whose whole context fits in top-k: DSA selects every position, so attention is
+        plain causal attention (per-head form) and the indexer only stores its keys. Every other row, prefill rows
+        included, runs the sparse absorbed form over its own top-k."""
+
         return self.mode == "prefill" and self.max_ctx <= index_topk
 
     def request_rows(self):
@@ -758,9 +752,9 @@ def sparse_mla(q_abs, q_pe, cache: LayerCache, slots, meta: Meta, scale):
 
 
 def dense_attention(q, k, v, scale):
-    """Causal attention of a prompt chunk's rows over its context, per head: the reference of the dense prefill
-    kernel. q [S, H, E] (the last S positions), k [N, H, E], v [N, H, V] -> [S, H, V]; row i sees keys
-    0 .. N - S + i."""
+    """Causal per-head attention of a prompt chunk (the reference of the dense prefill kernel): q [S, H, E] the last
+    S of N positions, k [N, H, E], v [N, H, V] -> [S, H, V]; row i sees keys 0 .. N - S + i."""
+
     S, N = q.shape[0], k.shape[0]
     scores = torch.einsum("shd,nhd->hsn", q, k) * scale
     future = torch.arange(N, device=q.device) > torch.arange(S, device=q.device)[:, None] + (N - S)
@@ -776,8 +770,7 @@ class MLA(nn.Module):
         super().__init__()
         self.cfg = cfg
         H = cfg.n_heads              # split over ranks: q_b / kv_b rows and o_proj columns of this rank's heads
-        self.wq_a = Linear(cfg.dim, cfg.q_lora_rank)
-        self.q_norm = RMSNorm(cfg.q_lora_rank, cfg.eps)
+        self.wq_a, self.q_norm = Linear(cfg.dim, cfg.q_lora_rank), RMSNorm(cfg.q_lora_rank, cfg.eps)
         self.wq_b = Linear(cfg.q_lora_rank, H * cfg.qk_head_dim, split="col")
         self.wkv_a = Linear(cfg.dim, cfg.kv_lora_rank + cfg.qk_rope_head_dim)
         self.kv_norm = RMSNorm(cfg.kv_lora_rank, cfg.eps)
@@ -837,7 +830,7 @@ class Gate(nn.Module):
         super().__init__()
         self.cfg = cfg
         self.weight = _param(cfg.n_routed_experts, cfg.dim, dtype=BF16)
-        self.bias = _param(cfg.n_routed_experts, dtype=torch.float32)                   # selection only
+        self.bias = _param(cfg.n_routed_experts, dtype=torch.float32)                    # selection only
 
     def forward(self, x):
         cfg, T = self.cfg, x.shape[0]
@@ -891,8 +884,7 @@ class Block(nn.Module):
     def __init__(self, cfg: Config, moe: bool):
         super().__init__()
         self.attn_norm, self.ffn_norm = RMSNorm(cfg.dim, cfg.eps), RMSNorm(cfg.dim, cfg.eps)
-        self.attn = MLA(cfg)
-        self.ffn = MoE(cfg) if moe else MLP(cfg.dim, cfg.inter_dim)
+        self.attn, self.ffn = MLA(cfg), MoE(cfg) if moe else MLP(cfg.dim, cfg.inter_dim)
 
     def forward(self, x, residual, cos, sin, meta, cache):
         x, residual = (self.attn_norm(x), x) if residual is None else self.attn_norm(x, residual)
@@ -961,7 +953,6 @@ class Transformer(nn.Module):
 
     def bind(self, ops):
         """Point every layer at one kernel set and prepare the weights it reads (once, after loading)."""
-        cfg = self.cfg
         for mod in self.modules():
             if hasattr(type(mod), "ops"):
                 mod.ops = ops
@@ -969,7 +960,8 @@ class Transformer(nn.Module):
                 mod.weight.data = mod.weight.data.to(ops.dense_dtype(mod.weight))
             if isinstance(mod, MLA):        # wkv_b dequantized once, split per head into W_UK | W_UV
                 w = weight_dequant(mod.wkv_b.weight, mod.wkv_b.scale).to(ops.attn_dtype(mod.wkv_b.weight))
-                mod.wkv_b_abs = w.view(-1, cfg.qk_nope_head_dim + cfg.v_head_dim, cfg.kv_lora_rank)  # local heads
+                mod.wkv_b_abs = w.view(-1, mod.cfg.qk_nope_head_dim + mod.cfg.v_head_dim, mod.cfg.kv_lora_rank)
+
         return self
 
     def _plan(self, meta: Meta):
@@ -1035,24 +1027,20 @@ def _shard_files(path):
     return [os.path.join(path, f) for f in files], weight_map
 
 
-def read_safetensors_header(file):
-    """{tensor: (shape, dtype name)} of one shard. safetensors checks the header as it opens the file (its length,
-    JSON, dtypes, each tensor's byte span, the file covered exactly); any fault is one ValueError naming the file."""
-    from safetensors import safe_open
-    try:
-        with safe_open(file, "pt") as f:
-            return {n: (s.get_shape(), s.get_dtype()) for n in f.keys() for s in [f.get_slice(n)]}
-    except Exception as e:                       # safetensors raises its own SafetensorError (and OSError)
-        raise ValueError(f"{file}: not a safetensors file, or damaged or truncated ({' '.join(str(e).split())})") \
-            from None
-
-
 def validate_checkpoint(path, cfg: Config):
-    """Check each shard against its header, then every tensor's presence, shape and dtype; faults name the tensor."""
+    """Check each shard's header, then every tensor's presence, shape and dtype; a fault names the file or tensor.
+    (safetensors checks a header as it opens the file: its length, JSON, dtypes, each tensor's byte span.)"""
+    from safetensors import safe_open
     expected, found = checkpoint_tensors(cfg), {}
     files, weight_map = _shard_files(path)
     for file in files:
-        for name, (shape, dtype) in read_safetensors_header(file).items():
+        try:
+            with safe_open(file, "pt") as f:
+                header = {n: (s.get_shape(), s.get_dtype()) for n in f.keys() for s in [f.get_slice(n)]}
+        except Exception as e:                   # safetensors raises its own SafetensorError (and OSError)
+            raise ValueError(f"{file}: not a safetensors file, or damaged or truncated "
+                             f"({' '.join(str(e).split())})") from None
+        for name, (shape, dtype) in header.items():
             if name in found:
                 raise ValueError(f"{path}: tensor {name} is in both {found[name][2]} and {os.path.basename(file)}")
             found[name] = (shape, dtype, os.path.basename(file))
@@ -1066,10 +1054,10 @@ def validate_checkpoint(path, cfg: Config):
         want_shape, kind = expected[name]
         if shape != want_shape:
             raise ValueError(f"{path}: tensor {name} has shape {shape}, expected {want_shape} (in {file})")
-        allowed = ALLOWED_DTYPES[kind]
-        if SAFETENSORS_DTYPES.get(dtype) not in allowed:
+        if SAFETENSORS_DTYPES.get(dtype) not in ALLOWED_DTYPES[kind]:
             raise ValueError(f"{path}: tensor {name} has dtype {dtype}, expected "
-                             f"{' or '.join(str(d).removeprefix('torch.') for d in allowed)} (in {file})")
+                             f"{' or '.join(str(d).removeprefix('torch.') for d in ALLOWED_DTYPES[kind])} (in {file})")
+
     for name, (shape, kind) in expected.items():
         if name not in found:
             raise ValueError(f"{path}: missing tensor {name} (expected {kind} {shape})")
@@ -1168,26 +1156,19 @@ def encode_chat(messages, thinking=False) -> str:
     return out
 
 
-def _bytes_to_unicode():
-    """The byte-level BPE alphabet: each byte maps to one printable character."""
-    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), 256))
-    cs, n = bs[:], 0
-    for b in range(256):
-        if b not in bs:
-            bs.append(b)
-            cs.append(256 + n)
-            n += 1
-    return {b: chr(c) for b, c in zip(bs, cs)}
-
-
 def write_byte_tokenizer(path, vocab_size):
     """A self-contained byte-level tokenizer in the HF format: the DeepSeek special tokens at 0..5, one token
     per byte after them, unused ids as placeholders."""
     from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
     specials = [BOS, EOS, USER, ASSISTANT, THINK, END_THINK]
     assert vocab_size >= len(specials) + 256, "the byte tokenizer needs 262 ids"
+    # the byte-level BPE alphabet: printable bytes stand for themselves, the other 68 for chr(256 + n)
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), 256)]
+    others = [b for b in range(256) if b not in printable]
+    chars = dict(zip(printable + others, map(chr, printable + [256 + n for n in range(len(others))])))
     vocab = {tok: i for i, tok in enumerate(specials)}
-    vocab.update({ch: len(specials) + b for b, ch in _bytes_to_unicode().items()})
+    vocab.update({ch: len(specials) + b for b, ch in chars.items()})
+
     placeholders = [f"<｜place▁holder▁no▁{i}｜>" for i in range(vocab_size - len(vocab))]
     vocab.update({tok: len(vocab) + i for i, tok in enumerate(placeholders)})
     tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
@@ -1330,7 +1311,7 @@ class LLM:
             if v is not None or name not in ("kv_cache_bytes", "max_context"):       # these two: None = automatic
                 check_arg(name, v, int, int(name != "mtp"))
         try:
-            self.device = dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+            dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         except (RuntimeError, TypeError):
             raise ValueError(f"unknown device {device!r}") from None
         self.device = dev = init_distributed(dev)                        # torchrun: join the ranks, take a GPU
@@ -1352,16 +1333,14 @@ class LLM:
         self.model = model or load_model(model_dir, dev, kernels, cfg)  # model: built already (bench.py)
         self.announce = dev.type == "cuda" and tp_rank() == 0   # say once, at the first generate, which kernels run
         self.k, self.page_size, self.max_batch, self.max_prefill_tokens = mtp, page_size, max_batch, max_prefill_tokens
-        kv_cache_bytes = kv_cache_bytes or (int(torch.cuda.mem_get_info(dev)[0] * 0.8) if cuda else 256 << 20)
-        num_pages = kv_cache_bytes // page                      # default pool: CPU 256 MiB, GPU 80% of what is free
-        num_pages = int(all_reduce(torch.tensor([num_pages], device=dev), dist.ReduceOp.MIN))  # one schedule for all
+        # default pool: CPU 256 MiB, GPU 80% of what is free; the smallest over ranks (one schedule for all)
+        num_pages = (kv_cache_bytes or (int(torch.cuda.mem_get_info(dev)[0] * 0.8) if cuda else 256 << 20)) // page
+        num_pages = int(all_reduce(torch.tensor([num_pages], device=dev), dist.ReduceOp.MIN))
         self.cache = KVCache(cfg, num_pages * page_size, self.device)
         self.free_pages = list(range(1, num_pages))             # page 0 is never given out: slot 0 is the dummy slot
         self.max_context = min(max_context or cfg.max_seq_len, cfg.max_seq_len)   # that padded rows write to
-        self.stats = {}
-        self.graphs = None
-        if cuda_graphs and cuda and self.model.ops is not TORCH_OPS:      # (the torch references sync the host)
-            self.graphs = CudaGraphs(self)
+        self.stats = {}                                         # (the torch references sync the host: no graphs)
+        self.graphs = CudaGraphs(self) if cuda_graphs and cuda and self.model.ops is not TORCH_OPS else None
 
     # --- paged KV pool: a request owns pages; position p lives in slot pages[p // P] * P + p % P ---------------
     def _reserve(self, req, n_positions):
@@ -1393,9 +1372,10 @@ class LLM:
                 victim = self.running.pop()                          # newest admitted
                 self._release(victim)
                 self.preemptions += 1
-                victim.num_cached, victim.draft, victim.q = 0, None, None
-                victim.prefill_target = len(victim.tokens) - 1       # its last token is known: no resampling
+                # recomputed up to its last token, which is known: no resampling
+                victim.num_cached, victim.draft, victim.q, victim.prefill_target = 0, None, None, len(victim.tokens) - 1
                 self.waiting.insert(0, victim)
+
         return [r for r in reqs if r in self.running]
 
     # --- the engine loop --------------------------------------------------------------------------------------
@@ -1407,9 +1387,10 @@ class LLM:
             prompts = [prompts]
         if not isinstance(prompts, (list, tuple)) or not all(isinstance(p, str) or token_ids(p) for p in prompts):
             raise ValueError(f"prompts must be a string, a list of token ids, or a list of those (got {prompts!r:.80})")
-        given = dict(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, return_logits=return_logits,
-                     thinking=thinking, raw=raw, seed=0 if seed is None else seed)
-        for name, v in given.items():
+        for name, v in dict(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p,
+                            return_logits=return_logits, thinking=thinking, raw=raw,
+                            seed=0 if seed is None else seed).items():
+
             check_arg(name, v, *self.SAMPLING.get(name, (bool,)))
         if on_tokens is not None and not callable(on_tokens):
             raise ValueError(f"on_tokens must be a function (got {on_tokens!r:.80})")
@@ -1443,7 +1424,9 @@ class LLM:
         self.on_tokens, self.return_logits, self.preemptions = on_tokens, return_logits, 0
         t0, rounds = time.perf_counter(), 0
         while self.waiting or self.running:
-            self._admit()
+            while self.waiting and len(self.running) < self.max_batch and \
+                    self._reserve(self.waiting[0], self.waiting[0].prefill_target + self.k + 1):  # prompt, 1st drafts
+                self.running.append(self.waiting.pop(0))
             prefilling = [r for r in self.running if r.num_cached < r.prefill_target]
             if prefilling:
                 self._prefill_step(prefilling)
@@ -1468,13 +1451,6 @@ class LLM:
         text = BOS + prompt if raw else encode_chat([{"role": "user", "content": prompt}], thinking)
         return self.tokenizer.encode(text, add_special_tokens=False).ids
 
-    def _admit(self):
-        while self.waiting and len(self.running) < self.max_batch:
-            r = self.waiting[0]
-            if not self._reserve(r, r.prefill_target + self.k + 1):  # prompt, then the first drafts
-                break
-            self.running.append(self.waiting.pop(0))
-
     def _emit(self, r, new_tokens, logits_rows):
         """Append emitted tokens, stopping at EOS or max_new_tokens (a finished request retires after the step)."""
         for j, t in enumerate(new_tokens):
@@ -1495,12 +1471,10 @@ class LLM:
             self._release(r)
 
     def _sample(self, r, logits):
-        """One token from logits [V]: argmax (greedy) or a draw from the temperature / top-p distribution, which is
-        returned too (for a draft, it is the q of the acceptance test)."""
+        """One token from logits [V]: the argmax (greedy) or a draw from the temperature / top-p distribution."""
         if r.temperature == 0:
-            return int(logits.argmax()), None
-        p = probs_from_logits(logits[None], r.temperature, r.top_p)[0]
-        return int(sample_no_sync(p, r.gen)), p
+            return int(logits.argmax())
+        return int(sample_no_sync(probs_from_logits(logits[None], r.temperature, r.top_p)[0], r.gen))
 
     def _pick(self, reqs, logits, j):
         """Draft token j of each request from the MTP logits [B, V], on the device (no host round trip): the argmax,
@@ -1514,23 +1488,24 @@ class LLM:
         return tokens, q
 
     def _prefill_step(self, reqs):
-        chunks, budget = [], self.max_prefill_tokens
+        """Prompt chunks, up to max_prefill_tokens rows in all, through the main model, then the MTP layer."""
+        chunks, budget = [], self.max_prefill_tokens            # (request, first position, length)
         for r in reqs:
             n = min(r.prefill_target - r.num_cached, budget)
             if n <= 0:
                 break
             chunks.append((r, r.num_cached, n))
             budget -= n
-        reqs = [c[0] for c in chunks]
-        meta = Meta.build("prefill", [s for _, s, _ in chunks], [n for _, _, n in chunks], self._table(reqs))
-        tokens = torch.tensor([t for r, s, n in chunks for t in r.tokens[s:s + n]], device=self.device)
-        h = self.model(tokens, meta, self.cache)
-        last = [meta.cu_seqlens[b + 1] - 1 for b in range(len(chunks))]
+        reqs, starts, lens = zip(*chunks)
+        meta = Meta.build("prefill", starts, lens, self._table(reqs))
+        h = self.model(torch.tensor([t for r, s, n in chunks for t in r.tokens[s:s + n]], device=self.device), meta,
+                       self.cache)
+        last = [c - 1 for c in meta.cu_seqlens[1:]]
         logits = self.model.logits(h[last])
         for b, (r, s, n) in enumerate(chunks):
             r.num_cached += n
             if r.num_cached == len(r.tokens):                            # fresh prompt done: sample token 1
-                self._emit(r, [self._sample(r, logits[b])[0]], logits[b:b + 1])
+                self._emit(r, [self._sample(r, logits[b])], logits[b:b + 1])
         if self.k == 0:
             return self._retire()
         # MTP over the same chunk: position p pairs the main hidden h_p with the next token x_{p+1}
@@ -1557,18 +1532,16 @@ class LLM:
         """k draft tokens per request, left on the device (r.draft [k]): the first from the MTP row that just ran at
         position L-1 (hidden h), the rest from k-1 MTP decode steps, rows at L-1+j, each its own causal length.
         Their metadata is built once and shifted per step (Meta.step), and their plans are shared where equal."""
-        mtp, drafts, qs, meta = self.model.mtp, [], [], None
+        mtp, picks, meta = self.model.mtp, [], None                     # picks: (tokens [B], q) per draft step
         for j in range(self.k):
             if j > 0:
                 meta = meta.step(1) if meta else self._meta("decode", reqs, [r.num_cached for r in reqs], 1)
-                h = self._forward("draft", drafts[-1], meta, h, j=min(j, len(mtp) - 1))
-            tokens, q = self._pick(reqs, mtp[min(j, len(mtp) - 1)].logits(h), j)
-            drafts.append(tokens)
-            qs.append(q)
-        drafts = torch.stack(drafts, 1)                                           # [B, k]
+                h = self._forward("draft", picks[-1][0], meta, h, j=min(j, len(mtp) - 1))
+            picks.append(self._pick(reqs, mtp[min(j, len(mtp) - 1)].logits(h), j))
+        drafts = torch.stack([tokens for tokens, _ in picks], 1)                # [B, k]
         for b, r in enumerate(reqs):
             r.draft = drafts[b]
-            r.q = torch.stack([q[b] for q in qs]) if r.temperature > 0 else None
+            r.q = torch.stack([q[b] for _, q in picks]) if r.temperature > 0 else None
 
     def _meta(self, mode, reqs, starts, n):
         return Meta.build(mode, starts, [n] * len(reqs), self._table(reqs))
@@ -1598,7 +1571,8 @@ class LLM:
             elif k:                                                              # sampling reads its own draws
                 new = speculative_accept(r.draft.tolist(), r.q, logits[b], r.temperature, r.top_p, r.gen)
             else:
-                new = [self._sample(r, logits[b, 0])[0]]
+                new = [self._sample(r, logits[b, 0])]
+
             if k:
                 r.accept_lengths.append(len(new))
             r.num_cached += len(new)                              # x_L and the accepted drafts now have KV
