@@ -1,12 +1,11 @@
 """nano-nsa: DeepSeek-V3.2 inference in one readable file.
 
-Part 1, the model (read top to bottom): Config -> checkpoint format and random-checkpoint writer -> building
-blocks (FP8 linear, RMSNorm, YaRN RoPE, Hadamard) -> forward metadata -> lightning indexer -> MLA (per-head
-prefill form, absorbed decode form) -> MoE -> Block -> MTP layer -> Transformer -> KV cache -> loader.
-It computes what DeepSeek's official `inference/model.py` computes (../shared/docs/dsv32_spec.md is the
-specification); where it deliberately differs, a one-line comment says why.
+Part 1, the model (read top to bottom): Config -> checkpoint format -> tensor parallelism -> building blocks (FP8
+linear, norms, YaRN RoPE, Hadamard) -> forward metadata -> lightning indexer -> MLA -> MoE -> Block, MTP layer,
+Transformer, KV cache -> loader. It computes what DeepSeek's official `inference/model.py` computes
+(../shared/docs/dsv32_spec.md is the specification); where it deliberately differs, a comment says why.
 Part 2, the engine: tokenizer and chat encoding, sampling and speculative acceptance, the engine (paged KV pool,
-continuous batching, chunked prefill, the MTP speculative loop), the CLI.
+continuous batching, chunked prefill, the MTP speculative loop), CUDA graphs, the CLI.
 
 Dimension legend used in shape comments:
   T tokens (rows) in the forward pass   B requests in the batch   N context positions of a request
@@ -123,9 +122,9 @@ class Config:
                  (max(self.bos_token_id, self.eos_token_id) < self.vocab_size, "bos/eos_token_id >= vocab_size")]
         rules += [(getattr(self, n) % BLOCK == 0, f"{self.label(n)} must be a multiple of {BLOCK} (FP8 activation "
                    f"groups)") for n in ("dim", "q_lora_rank", "kv_lora_rank", "inter_dim", "moe_inter_dim")]
-        why = next((why for ok, why in rules if not ok), None)
-        if why:
-            raise ValueError(why)
+        for ok, why in rules:
+            if not ok:
+                raise ValueError(why)
 
     def check_tp(self, n):
         """Refuse a tensor-parallel size n (ranks) that would split a head, an expert or the vocabulary unevenly, or
@@ -226,11 +225,10 @@ class Config:
     @classmethod
     def tiny(cls, **kw):
         """A few layers (first one dense), 8 experts in 4 groups, small dims, index_topk=32: for CPU tests."""
-        base = dict(vocab_size=288, dim=256, inter_dim=512, moe_inter_dim=128, n_layers=3, n_dense_layers=1,
-                    n_heads=4, n_routed_experts=8, n_activated_experts=2, n_expert_groups=4, n_limited_groups=2,
-                    q_lora_rank=128, kv_lora_rank=256, qk_nope_head_dim=32, v_head_dim=32, index_n_heads=4,
-                    index_topk=32)
-        return cls(**{**base, **kw})
+        return cls(**{**dict(vocab_size=288, dim=256, inter_dim=512, moe_inter_dim=128, n_layers=3, n_dense_layers=1,
+                             n_heads=4, n_routed_experts=8, n_activated_experts=2, n_expert_groups=4,
+                             n_limited_groups=2, q_lora_rank=128, kv_lora_rank=256, qk_nope_head_dim=32,
+                             v_head_dim=32, index_n_heads=4, index_topk=32), **kw})
 
 
 # ---- Checkpoint format: the official HF names, shapes and dtypes (spec section 2) --------------------------------
@@ -300,22 +298,19 @@ def ours_name(cfg: Config, hf_name: str) -> str:
 
 
 def load_target(params, cfg: Config, hf_name: str):
-    """The model tensor a checkpoint tensor is loaded into: its parameter, or for a routed expert its slice of the
-    stacked weights (gate_proj -> w13[e, :I], up_proj -> w13[e, I:], down_proj -> w2[e]); None for an expert that
-    another rank holds (rank r: experts r * E_r .. (r + 1) * E_r - 1)."""
+    """The model tensor a checkpoint tensor is loaded into: its parameter, or a routed expert's slice of the stacked
+    weights (gate_proj -> w13[e, :I], up_proj -> w13[e, I:], down_proj -> w2[e]); None for another rank's expert."""
     key = ours_name(cfg, hf_name)
     hit = EXPERT.match(key)
     if not hit:
         return params[key]
     base, e, w, kind = hit.groups()
-    n = params[f"{base}.w2.{kind}"].shape[0]                                 # experts on this rank
-    e = int(e) - tp_rank() * n
-    if not 0 <= e < n:
+    stack = params[f"{base}.{'w2' if w == 'w2' else 'w13'}.{kind}"]          # [E_r, ...]: this rank's experts
+    e = int(e) - tp_rank() * len(stack)
+    if not 0 <= e < len(stack):
         return None
-    if w == "w2":
-        return params[f"{base}.w2.{kind}"][e]
     rows = cfg.moe_inter_dim // (BLOCK if kind == "scale" else 1)
-    return params[f"{base}.w13.{kind}"][e].narrow(0, rows * (w == "w3"), rows)
+    return stack[e] if w == "w2" else stack[e].narrow(0, rows * (w == "w3"), rows)
 
 
 def _per_element(scale: torch.Tensor, shape) -> torch.Tensor:
@@ -361,9 +356,8 @@ def stored_dtype(name, kind):
 def save_random_checkpoint(path, config: Config, seed: int = 0, shard_bytes: int = 4 << 30, tokenizer=True,
                            device="cpu"):
     """Write a random-weight DeepSeek-V3.2 checkpoint in exactly the official HF layout (config.json with
-    quantization_config, sharded safetensors + index json, FP8 weights with pow2 128x128 block scales).
-    device: where values are drawn and quantized ('cuda' writes a full-width checkpoint in a minute; the values
-    differ from the CPU's, the format does not)."""
+    quantization_config, sharded safetensors + index json, FP8 weights with pow2 128x128 block scales). device:
+    where values are drawn ('cuda' writes a full-width checkpoint in a minute; other values, the same format)."""
     from safetensors.torch import save_file
     from tqdm import tqdm
     os.makedirs(path, exist_ok=True)
@@ -388,7 +382,6 @@ def save_random_checkpoint(path, config: Config, seed: int = 0, shard_bytes: int
             shards.append(list(cur))
             cur, total = {}, total + size
     weight_map = {}
-
     for i, names in enumerate(shards):
         fname = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
         os.replace(os.path.join(path, f".shard{i}.tmp"), os.path.join(path, fname))
@@ -473,9 +466,8 @@ def acc_dtype(x: torch.Tensor):
 
 
 def fp8_linear(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, partial=False) -> torch.Tensor:
-    """y = act_quant(x) @ W^T for a block-scaled FP8 weight (the reference `fp8_gemm`), bf16 out (partial: the
-    unrounded accumulator, a rank's share of a sum rounded once after the all-reduce).
-    With pow2 scales both operands are exact in fp32, so an fp32 GEMM equals the reference up to summation order."""
+    """y = act_quant(x) @ W^T for a block-scaled FP8 weight, bf16 out (partial: the unrounded accumulator, rounded
+    after the all-reduce). Pow2 scales keep both operands exact: it equals the reference `fp8_gemm` up to sum order."""
     acc = acc_dtype(x)                                    # act_quant is never skipped: 3-bit mantissa error
     y = F.linear(act_dequant(*act_quant(x)).to(acc), weight_dequant(w, scale).to(acc))
     return y if partial else y.to(BF16)
@@ -496,10 +488,9 @@ def dense_linear(x, w):
 
 
 class Linear(nn.Module):
-    """x W^T. fp8=True: float8_e4m3fn weight + float32 `scale` per 128x128 block; else a plain `dtype` weight.
-    n: a stack of n such weights (the routed experts), [n, out, in]; the MoE kernel reads them, not forward.
-    split: 'col' this rank holds out_features / ranks rows (its slice of the output), 'row' in_features / ranks
-    columns (its input is a slice; the output a partial sum that the caller all-reduces), None all of it."""
+    """x W^T. fp8=True: float8_e4m3fn weight + float32 `scale` per 128x128 block; else a plain `dtype` weight. n: a
+    stack of n weights [n, out, in] (the routed experts, read by the MoE kernel). split: 'col' this rank holds out /
+    ranks rows, 'row' in / ranks columns (the output is a partial sum the caller all-reduces), None all of it."""
     ops = None                   # bound once by Transformer.bind (fp8_linear / dense_linear)
 
     def __init__(self, in_features, out_features, fp8=True, dtype=BF16, n=None, split=None):
@@ -641,9 +632,8 @@ class Meta:
                        ctx_host=self.ctx_host + j, max_ctx=self.max_ctx + j, plan=None)
 
     def dense(self, index_topk):
-        """True for prompt chunks whose whole context fits in top-k: DSA selects every position, so attention is
-        plain causal attention (per-head form) and the indexer only stores its keys. Every other row, prefill rows
-        included, runs the sparse absorbed form over its own top-k."""
+        """Prompt chunks whose whole context fits in top-k: DSA selects every position, so attention is plain causal
+        attention (per-head form). Every other row, prefill rows included, runs the sparse absorbed form."""
 
         return self.mode == "prefill" and self.max_ctx <= index_topk
 
@@ -845,9 +835,9 @@ class Gate(nn.Module):
 
 
 def moe_experts(x, weights, idx, w13, s13, w2, s2):
-    """The routed experts of a MoE layer, summed with their routing weights in fp32: the reference of the grouped
-    MoE kernel. x [T, dim] bf16; weights, idx [T, A]; w13 [E, 2I, dim] (w1 | w3 fused), w2 [E, dim, I] FP8 with
-    their block scales -> [T, dim] fp32. Each expert used is one SwiGLU MLP over the tokens that chose it."""
+    """The routed experts of a MoE layer (the reference of the grouped MoE kernel): each a SwiGLU MLP over the tokens
+    that chose it, summed with their routing weights in fp32. x [T, dim] bf16; weights, idx [T, A]; w13
+    [E, 2I, dim] (w1 | w3 fused), w2 [E, dim, I] FP8 with their block scales -> [T, dim] fp32."""
     y, inter = torch.zeros(x.shape, dtype=torch.float32, device=x.device), w2.shape[2]
     for e in idx[idx < len(w13)].unique().tolist():        # expert order 0..E-1; idx E: another rank's, skipped
         tok, j = (idx == e).nonzero(as_tuple=True)
@@ -964,14 +954,10 @@ class Transformer(nn.Module):
 
         return self
 
-    def _plan(self, meta: Meta):
-        if meta.plan is None:               # once per step: every layer (and an MTP pass over the same rows) reuses it
-            meta.plan = self.ops.plan(meta, self.cfg)
-
     @torch.inference_mode()
     def forward(self, tokens, meta: Meta, cache: KVCache):
         """tokens [T] -> hidden [T, dim] bf16 after the final norm (the lm_head input, also what MTP consumes)."""
-        self._plan(meta)
+        meta.plan = meta.plan or self.ops.plan(meta, self.cfg)   # once per step: every layer and MTP pass reuse it
         cos, sin = rope_cos_sin(self.cfg, meta.positions)
         h, residual = self.embed(tokens), None
         for i, layer in enumerate(self.layers):
@@ -983,7 +969,7 @@ class Transformer(nn.Module):
 
     @torch.inference_mode()
     def mtp_forward(self, next_tokens, h, meta: Meta, cache: KVCache, j=0):
-        self._plan(meta)
+        meta.plan = meta.plan or self.ops.plan(meta, self.cfg)
         return self.mtp[j](next_tokens, h, meta, cache.layer(self.cfg.n_layers + j))
 
 
@@ -1089,10 +1075,9 @@ def open_checkpoint(path) -> Config:
 
 
 def load_model(path, device="cpu", kernels="auto", cfg=None) -> Transformer:
-    """Load a DeepSeek-V3.2 HF checkpoint directory (cfg: open_checkpoint(path), if the caller has it already). FP8
-    weights stay FP8 with their block scales; norms, router bias, weights_proj and the heads are upcast to fp32 one
-    tensor at a time, as the reference does. A tensor holding nan or inf is refused by name. Under torchrun a rank
-    reads only its share: its experts, its slice of each split tensor (`loaded_bytes`). Then bound to `select_ops`."""
+    """Load a DeepSeek-V3.2 HF checkpoint directory (cfg: open_checkpoint(path), if the caller has it). FP8 weights
+    stay FP8; norms, router bias, weights_proj and the heads are upcast to fp32 one tensor at a time, as the
+    reference does; a tensor holding nan or inf is refused by name. Under torchrun a rank reads only its share."""
     from safetensors import safe_open
     from tqdm import tqdm
     cfg = cfg or open_checkpoint(path)
@@ -1246,15 +1231,12 @@ def residual_probs(p, q):
 
 
 def speculative_accept(draft, q, logits, temperature, top_p, gen):
-    """Verify k draft tokens against the main model's logits [k+1, V] at the k+1 verify rows; return the emitted
-    tokens (accepted drafts plus one token from the main model). Greedy: the longest prefix equal to the argmax,
-    then the argmax. Sampling: accept x with probability min(1, p(x)/q(x)), else draw from max(p - q, 0); the
-    output then follows the main model's distribution exactly."""
+    """Verify k drafts against the main model's logits [k+1, V] -> the emitted tokens (accepted drafts, then one of the
+    main model's). Greedy: the longest prefix equal to the argmax. Sampling: accept x with probability min(1, p(x) /
+    q(x)), else draw from max(p - q, 0): the output follows the main model's distribution exactly."""
     if temperature == 0:
         target = logits.argmax(-1).tolist()
-        a = 0
-        while a < len(draft) and draft[a] == target[a]:
-            a += 1
+        a = next((j for j, x in enumerate(draft) if x != target[j]), len(draft))
         return draft[:a] + [target[a]]
     p = probs_from_logits(logits, temperature, top_p)
     for j, x in enumerate(draft):
@@ -1390,7 +1372,6 @@ class LLM:
         for name, v in dict(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p,
                             return_logits=return_logits, thinking=thinking, raw=raw,
                             seed=0 if seed is None else seed).items():
-
             check_arg(name, v, *self.SAMPLING.get(name, (bool,)))
         if on_tokens is not None and not callable(on_tokens):
             raise ValueError(f"on_tokens must be a function (got {on_tokens!r:.80})")
@@ -1433,17 +1414,14 @@ class LLM:
             elif self.running:
                 self._decode_round(list(self.running))
                 rounds += 1
-        dt = time.perf_counter() - t0
-        results = [Result(r.generated, self.tokenizer.decode(r.generated), r.accept_lengths,
-                          (torch.stack(r.logits) if r.logits else torch.zeros(0, self.cfg.vocab_size))
-                          if return_logits else None, r.finish) for r in reqs]
-        n_tok = sum(len(r.generated) for r in reqs)
+        dt, n_tok = time.perf_counter() - t0, sum(len(r.generated) for r in reqs)
         acc = [a for r in reqs for a in r.accept_lengths]
         self.stats = dict(tokens=n_tok, seconds=dt, tokens_per_s=n_tok / dt, decode_rounds=rounds,
-                          preemptions=self.preemptions,
-                          mean_accept_length=sum(acc) / len(acc) if acc else None,
+                          preemptions=self.preemptions, mean_accept_length=sum(acc) / len(acc) if acc else None,
                           accept_histogram={n: acc.count(n) for n in range(1, self.k + 2)} if self.k else {})
-        return results
+        return [Result(r.generated, self.tokenizer.decode(r.generated), r.accept_lengths,
+                       (torch.stack(r.logits) if r.logits else torch.zeros(0, self.cfg.vocab_size))
+                       if return_logits else None, r.finish) for r in reqs]
 
     def encode(self, prompt, thinking=False, raw=False):
         if not isinstance(prompt, str):
@@ -1477,9 +1455,8 @@ class LLM:
         return int(sample_no_sync(probs_from_logits(logits[None], r.temperature, r.top_p)[0], r.gen))
 
     def _pick(self, reqs, logits, j):
-        """Draft token j of each request from the MTP logits [B, V], on the device (no host round trip): the argmax,
-        or for a sampling request a draw from its distribution q, kept for the acceptance test. (Tests swap in an
-        oracle here.)"""
+        """Draft token j of each request from the MTP logits [B, V], on the device: the argmax, or a draw from the
+        request's distribution q, kept for the acceptance test. (Tests swap in an oracle here.)"""
         tokens, q = logits.argmax(-1), [None] * len(reqs)
         for b, r in enumerate(reqs):
             if r.temperature > 0:
@@ -1519,9 +1496,8 @@ class LLM:
         self._retire()
 
     def _forward(self, kind, tokens, meta, h=None, j=0):
-        """One forward pass of the decode round: 'verify' (the main model over verify / decode rows), 'extend' (the
-        MTP layer over the same rows), 'draft' (the MTP layer, one row per request). A CUDA graph replay when the
-        engine has them, else eager."""
+        """A forward pass of the decode round, replayed from a CUDA graph where the engine has them: 'verify' (the main
+        model, k + 1 rows per request), 'extend' (the MTP layer over the same rows), 'draft' (MTP, 1 row each)."""
         if self.graphs:
             return self.graphs.run(kind, tokens, meta, h, j)
         if kind == "verify":
@@ -1547,10 +1523,9 @@ class LLM:
         return Meta.build(mode, starts, [n] * len(reqs), self._table(reqs))
 
     def _decode_round(self, reqs):
-        """Verify every request's k drafts in one main-model pass of decode rows (k + 1 per request), accept, run the
-        MTP layer over the same rows (draft-extend; rows past a request's accepted tokens are padding, so the shape
-        and the metadata do not depend on what was accepted), draft k new tokens. Greedy requests are settled on the
-        device and read back once per round, together."""
+        """Verify every request's k drafts in one main-model pass (k + 1 decode rows each), accept, run the MTP layer
+        over the same rows (draft-extend: rows past the accepted tokens are padding, so shapes and metadata do not
+        depend on what was accepted), draft k new tokens. One read-back per round settles the greedy requests."""
         k = self.k
         reqs = self._reserve_or_preempt(reqs, lambda r: r.num_cached + 2 * k + 1)
         if not reqs:
@@ -1599,13 +1574,11 @@ def graph_buckets(max_bs, rows_per_req, tp=1):
 
 
 class CudaGraphs:
-    """The decode round's forward passes as CUDA graphs, one per batch-size bucket (in the spirit of nano-vllm's
-    runner): 'verify' (the main model over k + 1 rows per request; plain decode: 1), 'extend' (the MTP layer over
-    the same rows) and 'draft' (the MTP layer over one row per request, replayed for each of the k - 1 draft
-    steps). A replay copies the step's inputs and metadata into static buffers; rows of padding requests write the
-    dummy slot 0 and read one position. The attention plan (ops.plan: host work, exact lengths) is made before each
-    replay, outside the graph. The indexer's width is a shape too, so a graph is captured per context bound as well:
-    index_topk (every row selects its whole context) at start, the powers of two above it on first use."""
+    """The decode round's forward passes ('verify', 'extend', 'draft': see LLM._forward) as CUDA graphs, one per
+    batch-size bucket, as nano-vllm's runner. A replay copies the step's inputs and metadata into static buffers;
+    padding requests' rows write the dummy slot 0 and read one position. The attention plan (ops.plan: host work,
+    exact lengths) is made before each replay. The indexer's width is a shape too, so a graph is captured per context
+    bound as well: index_topk (every row selects its whole context) at start, the powers of two above on first use."""
     def __init__(self, llm):
         cfg, dev, k, t0 = llm.cfg, llm.device, llm.k, time.perf_counter()
         self.llm, self.rows = llm, dict(verify=k + 1, extend=k + 1, draft=1)
