@@ -195,8 +195,6 @@ class Config:
         names = {f.name for f in fields(cls)}
         kw = {cls.HF_NAMES.get(k, k): v for k, v in hf.items() if cls.HF_NAMES.get(k, k) in names}
         kw.update({ours: rope[k] for k, ours in cls.ROPE_NAMES.items() if k in rope})
-
-
         try:
             return cls(**kw)
         except ValueError as e:
@@ -241,25 +239,21 @@ ALLOWED_DTYPES = {"fp8": (FP8,), "scale": (torch.float32,), "bf16": (BF16,), "no
 def checkpoint_tensors(cfg: Config):
     """{HF tensor name: (shape, kind)} for every tensor of the official checkpoint, scales included."""
     H, I, J, dim = cfg.n_heads, cfg.index_n_heads, cfg.index_head_dim, cfg.dim
+    Q, C, R = cfg.q_lora_rank, cfg.kv_lora_rank, cfg.qk_rope_head_dim
     t = {"model.embed_tokens.weight": ([cfg.vocab_size, dim], "bf16")}
     for i in range(cfg.n_layers + cfg.n_mtp_layers):
-        p = f"model.layers.{i}."
-        a = p + "self_attn."
+        p, a = f"model.layers.{i}.", f"model.layers.{i}.self_attn."
         if i >= cfg.n_layers:   # MTP layer (spec 2.3): its own embedding/head copies, norms, eh_proj, a MoE block
             t.update({p + "embed_tokens.weight": ([cfg.vocab_size, dim], "bf16"),
                       p + "enorm.weight": ([dim], "norm"), p + "hnorm.weight": ([dim], "norm"),
                       p + "eh_proj.weight": ([dim, 2 * dim], "bf16"), p + "shared_head.norm.weight": ([dim], "norm"),
                       p + "shared_head.head.weight": ([cfg.vocab_size, dim], "bf16")})
-        t.update({p + "input_layernorm.weight": ([dim], "norm"),
-                  a + "q_a_proj.weight": ([cfg.q_lora_rank, dim], "fp8"),
-                  a + "q_a_layernorm.weight": ([cfg.q_lora_rank], "norm"),
-                  a + "q_b_proj.weight": ([H * cfg.qk_head_dim, cfg.q_lora_rank], "fp8"),
-                  a + "kv_a_proj_with_mqa.weight": ([cfg.kv_lora_rank + cfg.qk_rope_head_dim, dim], "fp8"),
-                  a + "kv_a_layernorm.weight": ([cfg.kv_lora_rank], "norm"),
-                  a + "kv_b_proj.weight": ([H * (cfg.qk_nope_head_dim + cfg.v_head_dim), cfg.kv_lora_rank], "fp8"),
+        t.update({p + "input_layernorm.weight": ([dim], "norm"), a + "q_a_proj.weight": ([Q, dim], "fp8"),
+                  a + "q_a_layernorm.weight": ([Q], "norm"), a + "q_b_proj.weight": ([H * cfg.qk_head_dim, Q], "fp8"),
+                  a + "kv_a_proj_with_mqa.weight": ([C + R, dim], "fp8"), a + "kv_a_layernorm.weight": ([C], "norm"),
+                  a + "kv_b_proj.weight": ([H * (cfg.qk_nope_head_dim + cfg.v_head_dim), C], "fp8"),
                   a + "o_proj.weight": ([dim, H * cfg.v_head_dim], "fp8"),
-                  a + "indexer.wq_b.weight": ([I * J, cfg.q_lora_rank], "fp8"),
-                  a + "indexer.wk.weight": ([J, dim], "fp8"),
+                  a + "indexer.wq_b.weight": ([I * J, Q], "fp8"), a + "indexer.wk.weight": ([J, dim], "fp8"),
                   a + "indexer.k_norm.weight": ([J], "norm"), a + "indexer.k_norm.bias": ([J], "norm"),
                   a + "indexer.weights_proj.weight": ([I, dim], "bf16"),
                   p + "post_attention_layernorm.weight": ([dim], "norm")})
@@ -345,7 +339,6 @@ def random_weight(name: str, shape, kind: str, seed: int, device="cpu") -> torch
     if kind == "f32":
         return 0.05 * x                                                    # router bias: selection only
     return x if "embed_tokens" in name else x * shape[1] ** -0.5            # else unit-gain projections
-
 
 
 def stored_dtype(name, kind):
@@ -514,8 +507,7 @@ class RMSNorm(nn.Module):
     stream rounded to bf16, as the reference's fused form."""
     def __init__(self, dim, eps):
         super().__init__()
-        self.eps = eps
-        self.weight = _param(dim, dtype=torch.float32)
+        self.eps, self.weight = eps, _param(dim, dtype=torch.float32)
 
     def forward(self, x, residual=None):
         x = x.float() if residual is None else x.float() + residual.float()
@@ -527,8 +519,7 @@ class LayerNorm(nn.Module):
     """LayerNorm with weight and bias (the indexer's k_norm), fp32 math, bf16 out."""
     def __init__(self, dim, eps):
         super().__init__()
-        self.eps = eps
-        self.weight, self.bias = _param(dim, dtype=torch.float32), _param(dim, dtype=torch.float32)
+        self.eps, self.weight, self.bias = eps, _param(dim, dtype=torch.float32), _param(dim, dtype=torch.float32)
 
     def forward(self, x):
         return F.layer_norm(x.float(), x.shape[-1:], self.weight, self.bias, self.eps).to(BF16)
@@ -634,7 +625,6 @@ class Meta:
     def dense(self, index_topk):
         """Prompt chunks whose whole context fits in top-k: DSA selects every position, so attention is plain causal
         attention (per-head form). Every other row, prefill rows included, runs the sparse absorbed form."""
-
         return self.mode == "prefill" and self.max_ctx <= index_topk
 
     def request_rows(self):
@@ -703,28 +693,24 @@ class Indexer(nn.Module):
 
     def __init__(self, cfg: Config):
         super().__init__()
-        self.cfg = cfg
-        self.wq_b = Linear(cfg.q_lora_rank, cfg.index_n_heads * cfg.index_head_dim)
-        self.wk = Linear(cfg.dim, cfg.index_head_dim)
-        self.k_norm = LayerNorm(cfg.index_head_dim, cfg.eps)
+        self.cfg, self.wq_b = cfg, Linear(cfg.q_lora_rank, cfg.index_n_heads * cfg.index_head_dim)
+        self.wk, self.k_norm = Linear(cfg.dim, cfg.index_head_dim), LayerNorm(cfg.index_head_dim, cfg.eps)
         self.weights_proj = Linear(cfg.dim, cfg.index_n_heads, fp8=False, dtype=torch.float32)
 
     def forward(self, x, qr, cos, sin, meta: Meta, cache: LayerCache):
         """-> [T, min(K, N)] selected context positions per row (-1 = none), or None for a dense prompt chunk.
         Writes this pass's keys first, so every row can select its own token."""
         cfg, T, R = self.cfg, x.shape[0], self.cfg.qk_rope_head_dim
-        k = self.k_norm(self.wk(x))                                                       # [T, J]
-        k = torch.cat([rope(k[..., :R], cos, sin, interleaved=False), k[..., R:]], -1)   # rope on the FIRST R dims
-        k8, ks = self.ops.index_quant(k)                 # Hadamard, then FP8: [T, J] fp8, [T, 1]
+        quant = lambda t: self.ops.index_quant(  # noqa: E731   rope on the FIRST R dims, then Hadamard and FP8
+            torch.cat([rope(t[..., :R], cos, sin, interleaved=False), t[..., R:]], -1))
+        k8, ks = quant(self.k_norm(self.wk(x)))          # [T, J] fp8, [T, 1]
         cache.ik[meta.slots], cache.iks[meta.slots] = k8, ks[:, 0]
         if meta.dense(cfg.index_topk):                   # the whole context is selected: only the keys are needed
             return None
         if meta.max_ctx <= cfg.index_topk:               # every row selects its whole context (SGLang skips too)
             n = torch.arange(meta.max_ctx, device=x.device)
             return torch.where(n < meta.ctx_lens[:, None], n, -1)
-        q = self.wq_b(qr).view(T, cfg.index_n_heads, cfg.index_head_dim)                  # [T, I, J]
-        q = torch.cat([rope(q[..., :R], cos, sin, interleaved=False), q[..., R:]], -1)
-        q8, qs = self.ops.index_quant(q)                 # [T, I, J] fp8, [T, I, 1]: one scale per head vector
+        q8, qs = quant(self.wq_b(qr).view(T, cfg.index_n_heads, cfg.index_head_dim))  # [T, I, J] fp8, [T, I, 1]
         w = self.weights_proj(x) * cfg.index_n_heads ** -0.5 * qs[..., 0] * cfg.index_head_dim ** -0.5  # [T, I]
         return self.ops.index_topk(q8, w, cache, meta, cfg.index_topk)
 
@@ -758,8 +744,7 @@ class MLA(nn.Module):
 
     def __init__(self, cfg: Config):
         super().__init__()
-        self.cfg = cfg
-        H = cfg.n_heads              # split over ranks: q_b / kv_b rows and o_proj columns of this rank's heads
+        self.cfg, H = cfg, cfg.n_heads   # split over ranks: q_b / kv_b rows and o_proj columns of this rank's heads
         self.wq_a, self.q_norm = Linear(cfg.dim, cfg.q_lora_rank), RMSNorm(cfg.q_lora_rank, cfg.eps)
         self.wq_b = Linear(cfg.q_lora_rank, H * cfg.qk_head_dim, split="col")
         self.wkv_a = Linear(cfg.dim, cfg.kv_lora_rank + cfg.qk_rope_head_dim)
@@ -818,8 +803,7 @@ class Gate(nn.Module):
     then top-A experts inside them; weights are the unbiased scores, renormalized, times route_scale."""
     def __init__(self, cfg: Config):
         super().__init__()
-        self.cfg = cfg
-        self.weight = _param(cfg.n_routed_experts, cfg.dim, dtype=BF16)
+        self.cfg, self.weight = cfg, _param(cfg.n_routed_experts, cfg.dim, dtype=BF16)
         self.bias = _param(cfg.n_routed_experts, dtype=torch.float32)                    # selection only
 
     def forward(self, x):
@@ -890,8 +874,7 @@ class MTP(nn.Module):
     at i+1, predict the token at i+2: block(eh_proj([enorm(emb(t_{i+1})); hnorm(h_i)])) -> norm -> head."""
     def __init__(self, cfg: Config):
         super().__init__()
-        self.cfg = cfg
-        self.embed = Embedding(cfg.vocab_size, cfg.dim)
+        self.cfg, self.embed = cfg, Embedding(cfg.vocab_size, cfg.dim)
         self.enorm, self.hnorm = RMSNorm(cfg.dim, cfg.eps), RMSNorm(cfg.dim, cfg.eps)
         self.eh_proj = Linear(2 * cfg.dim, cfg.dim, fp8=False)            # bf16, unquantized in the checkpoint
         self.block = Block(cfg, moe=True)
@@ -934,8 +917,7 @@ class Transformer(nn.Module):
     def __init__(self, cfg: Config):
         super().__init__()
         cfg.check_tp(tp_size())
-        self.cfg = cfg
-        self.embed = Embedding(cfg.vocab_size, cfg.dim)
+        self.cfg, self.embed = cfg, Embedding(cfg.vocab_size, cfg.dim)
         self.layers = nn.ModuleList(Block(cfg, moe=i >= cfg.n_dense_layers) for i in range(cfg.n_layers))
         self.norm = RMSNorm(cfg.dim, cfg.eps)
         self.head = Linear(cfg.dim, cfg.vocab_size, fp8=False, dtype=torch.float32, split="col")   # fp32, as [R]
@@ -951,7 +933,6 @@ class Transformer(nn.Module):
             if isinstance(mod, MLA):        # wkv_b dequantized once, split per head into W_UK | W_UV
                 w = weight_dequant(mod.wkv_b.weight, mod.wkv_b.scale).to(ops.attn_dtype(mod.wkv_b.weight))
                 mod.wkv_b_abs = w.view(-1, mod.cfg.qk_nope_head_dim + mod.cfg.v_head_dim, mod.cfg.kv_lora_rank)
-
         return self
 
     @torch.inference_mode()
@@ -1354,10 +1335,9 @@ class LLM:
                 victim = self.running.pop()                          # newest admitted
                 self._release(victim)
                 self.preemptions += 1
-                # recomputed up to its last token, which is known: no resampling
-                victim.num_cached, victim.draft, victim.q, victim.prefill_target = 0, None, None, len(victim.tokens) - 1
+                victim.num_cached, victim.draft, victim.q = 0, None, None
+                victim.prefill_target = len(victim.tokens) - 1       # its last token is known: no resampling
                 self.waiting.insert(0, victim)
-
         return [r for r in reqs if r in self.running]
 
     # --- the engine loop --------------------------------------------------------------------------------------
@@ -1475,8 +1455,8 @@ class LLM:
             budget -= n
         reqs, starts, lens = zip(*chunks)
         meta = Meta.build("prefill", starts, lens, self._table(reqs))
-        h = self.model(torch.tensor([t for r, s, n in chunks for t in r.tokens[s:s + n]], device=self.device), meta,
-                       self.cache)
+        tokens = torch.tensor([t for r, s, n in chunks for t in r.tokens[s:s + n]], device=self.device)
+        h = self.model(tokens, meta, self.cache)
         last = [c - 1 for c in meta.cu_seqlens[1:]]
         logits = self.model.logits(h[last])
         for b, (r, s, n) in enumerate(chunks):
@@ -1547,7 +1527,6 @@ class LLM:
                 new = speculative_accept(r.draft.tolist(), r.q, logits[b], r.temperature, r.top_p, r.gen)
             else:
                 new = [self._sample(r, logits[b, 0])]
-
             if k:
                 r.accept_lengths.append(len(new))
             r.num_cached += len(new)                              # x_L and the accepted drafts now have KV
@@ -1605,8 +1584,7 @@ class CudaGraphs:
         return topk if max_ctx <= topk else min(1 << (max_ctx - 1).bit_length(), self.max_width)
 
     def _capture(self, kind, bs, width, j):
-        llm, n = self.llm, self.rows[kind]
-        T = bs * n
+        llm, n, T = self.llm, self.rows[kind], bs * self.rows[kind]
         meta = Meta("decode", self.positions[:T], self.slots[:T],
                     torch.arange(bs, device=llm.device).repeat_interleave(n), self.table[:bs, :width], self.ctx[:T],
                     list(range(0, T + 1, n)), torch.ones(T, dtype=torch.long), width, graphed=True)
@@ -1691,8 +1669,7 @@ def main(argv=None):
             streamed.extend(toks)
             text = llm.tokenizer.decode(streamed)
             if not text.endswith("\ufffd"):
-                sys.stdout.write(text[len(printed[0]):])
-                sys.stdout.flush()
+                print(text[len(printed[0]):], end="", flush=True)
                 printed[0] = text
         results = llm.generate(prompts, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
                                top_p=args.top_p, seed=args.seed, thinking=args.thinking, raw=args.raw,
@@ -1712,11 +1689,8 @@ def main(argv=None):
                                            accept_lengths=r.accept_lengths) for p, r in zip(prompts, results)],
                           "stats": s}))
         return 0
-    if not stream:
-        for p, r in zip(prompts, results):
-            print(f"--- {p!r}\n{r.text}")
-    else:
-        print()
+    for p, r in zip(prompts, results):
+        print(f"--- {p!r}\n{r.text}" if not stream else "")       # streamed: the text is out, end its line
     spec = (f", mean accepted length {s['mean_accept_length']:.2f}, acceptance histogram {s['accept_histogram']}"
             if s["mean_accept_length"] is not None else "")
     print(f"[{s['tokens']} tokens in {s['seconds']:.2f} s, {s['tokens_per_s']:.1f} tokens/s{spec}]", file=sys.stderr)
