@@ -15,6 +15,7 @@ Dimension legend used in shape comments:
 """
 from __future__ import annotations
 
+import argparse
 import json
 import math
 import os
@@ -266,8 +267,7 @@ def checkpoint_tensors(cfg: Config):
         for m, inter in mlps.items():
             t[p + m + "gate_proj.weight"] = t[p + m + "up_proj.weight"] = ([inter, dim], "fp8")
             t[p + m + "down_proj.weight"] = ([dim, inter], "fp8")
-    t["model.norm.weight"] = ([dim], "norm")
-    t["lm_head.weight"] = ([cfg.vocab_size, dim], "bf16")
+    t["model.norm.weight"], t["lm_head.weight"] = ([dim], "norm"), ([cfg.vocab_size, dim], "bf16")
     for name, (shape, kind) in list(t.items()):
         if kind == "fp8":
             t[name + "_scale_inv"] = ([-(-shape[0] // BLOCK), -(-shape[1] // BLOCK)], "scale")
@@ -466,10 +466,6 @@ def fp8_linear(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, partial=Fa
     return y if partial else y.to(BF16)
 
 
-def fp8_round_trip(x: torch.Tensor) -> torch.Tensor:
-    """x -> dequant(act_quant(x)) in bf16: how [R] simulates the FP8 latent cache."""
-    return act_dequant(*act_quant(x)).to(BF16)
-
 
 def _param(*shape, dtype):
     return nn.Parameter(torch.empty(*shape, dtype=dtype), requires_grad=False)   # inference only: no grads
@@ -537,25 +533,21 @@ class Embedding(nn.Module):
         return all_reduce(F.embedding(local.clamp(0, self.weight.shape[0] - 1), self.weight) * mine[..., None])
 
 
-def yarn_freqs(cfg: Config) -> torch.Tensor:
-    """YaRN-corrected inverse frequencies f'_i, fp32 [R/2] (spec 3.5): low dims unchanged, high dims / factor."""
-    d, base = cfg.qk_rope_head_dim, cfg.rope_theta
-    freqs = 1.0 / (base ** (torch.arange(0, d, 2, dtype=torch.float32) / d))
-    corr = lambda n: d * math.log(cfg.original_seq_len / (n * 2 * math.pi)) / (2 * math.log(base))  # noqa: E731
-    low, high = max(math.floor(corr(cfg.beta_fast)), 0), min(math.ceil(corr(cfg.beta_slow)), d - 1)
-    ramp = ((torch.arange(d // 2, dtype=torch.float32) - low) / (high - low if high > low else 0.001)).clamp(0, 1)
-    return freqs / cfg.rope_factor * ramp + freqs * (1 - ramp)
-
-
-_FREQS = {}                                      # yarn_freqs on each device, by the config fields they depend on
+_FREQS = {}                                      # f'_i on each device, by the config fields they depend on
 
 
 def rope_cos_sin(cfg: Config, positions: torch.Tensor):
-    """cos/sin of theta[t, i] = fp32(t) * f'_i, each [T, R/2] fp32. (mscale goes into the softmax scale only.)"""
-    key = (cfg.qk_rope_head_dim, cfg.rope_theta, cfg.rope_factor, cfg.original_seq_len, cfg.max_seq_len,
-           cfg.beta_fast, cfg.beta_slow, positions.device)
+    """cos/sin of theta[t, i] = fp32(t) * f'_i, each [T, R/2] fp32, with f'_i the YaRN-corrected inverse frequencies
+    (spec 3.5): low dims unchanged, high dims / factor. (mscale goes into the softmax scale only.)"""
+    d, base = cfg.qk_rope_head_dim, cfg.rope_theta
+    key = (d, base, cfg.rope_factor, cfg.original_seq_len, cfg.max_seq_len, cfg.beta_fast, cfg.beta_slow,
+           positions.device)
     if key not in _FREQS:                        # once per device: a CUDA graph cannot copy from the host
-        _FREQS[key] = yarn_freqs(cfg).to(positions.device)
+        freqs = 1.0 / (base ** (torch.arange(0, d, 2, dtype=torch.float32) / d))
+        corr = lambda n: d * math.log(cfg.original_seq_len / (n * 2 * math.pi)) / (2 * math.log(base))  # noqa: E731
+        low, high = max(math.floor(corr(cfg.beta_fast)), 0), min(math.ceil(corr(cfg.beta_slow)), d - 1)
+        ramp = ((torch.arange(d // 2, dtype=torch.float32) - low) / (high - low if high > low else 0.001)).clamp(0, 1)
+        _FREQS[key] = (freqs / cfg.rope_factor * ramp + freqs * (1 - ramp)).to(positions.device)
     theta = positions.float()[:, None] * _FREQS[key][None, :]
     return theta.cos(), theta.sin()
 
@@ -575,7 +567,6 @@ def hadamard(x: torch.Tensor) -> torch.Tensor:
     """Walsh-Hadamard transform over the last dim in Sylvester order, scaled by n^-0.5 (x @ H_n / sqrt(n));
     fp32 math, bf16 in/out. Orthogonal: it keeps dot products and spreads outliers before FP8 quantization."""
     n, y, h = x.shape[-1], x.float(), 1
-
     while h < n:                                       # butterfly: pairs (i, i + h) inside blocks of 2h
         y = y.unflatten(-1, (n // (2 * h), 2, h))
         y = torch.stack((y[..., 0, :] + y[..., 1, :], y[..., 0, :] - y[..., 1, :]), dim=-2).flatten(-3)
@@ -627,8 +618,7 @@ class Meta:
         attention (per-head form). Every other row, prefill rows included, runs the sparse absorbed form."""
         return self.mode == "prefill" and self.max_ctx <= index_topk
 
-    def request_rows(self):
-        """The row slice of each request."""
+    def request_rows(self):                                # the row slice of each request
         return [slice(a, b) for a, b in zip(self.cu_seqlens[:-1], self.cu_seqlens[1:])]
 
 
@@ -730,7 +720,6 @@ def sparse_mla(q_abs, q_pe, cache: LayerCache, slots, meta: Meta, scale):
 def dense_attention(q, k, v, scale):
     """Causal per-head attention of a prompt chunk (the reference of the dense prefill kernel): q [S, H, E] the last
     S of N positions, k [N, H, E], v [N, H, V] -> [S, H, V]; row i sees keys 0 .. N - S + i."""
-
     S, N = q.shape[0], k.shape[0]
     scores = torch.einsum("shd,nhd->hsn", q, k) * scale
     future = torch.arange(N, device=q.device) > torch.arange(S, device=q.device)[:, None] + (N - S)
@@ -750,8 +739,7 @@ class MLA(nn.Module):
         self.wkv_a = Linear(cfg.dim, cfg.kv_lora_rank + cfg.qk_rope_head_dim)
         self.kv_norm = RMSNorm(cfg.kv_lora_rank, cfg.eps)
         self.wkv_b = Linear(cfg.kv_lora_rank, H * (cfg.qk_nope_head_dim + cfg.v_head_dim), split="col")
-        self.wo = Linear(H * cfg.v_head_dim, cfg.dim, split="row")
-        self.indexer = Indexer(cfg)
+        self.wo, self.indexer = Linear(H * cfg.v_head_dim, cfg.dim, split="row"), Indexer(cfg)
 
     def forward(self, x, cos, sin, meta: Meta, cache: LayerCache):
         """-> this rank's heads' part of the output projection [T, dim], unrounded (Block sums it over ranks)."""
@@ -761,7 +749,7 @@ class MLA(nn.Module):
         q_nope, q_pe = self.wq_b(qr).view(T, H, D + R).split([D, R], -1)  # [T, H, D], [T, H, R]
         q_pe = rope(q_pe, cos, sin, interleaved=True)
         kv, k_pe = self.wkv_a(x).split([C, R], -1)                       # [T, C], [T, R]
-        cache.kv[meta.slots] = fp8_round_trip(self.kv_norm(kv))          # the latent is cached as FP8 ([R] simulates)
+        cache.kv[meta.slots] = act_dequant(*act_quant(self.kv_norm(kv))).to(BF16)   # cached as FP8 ([R] simulates)
         cache.pe[meta.slots] = rope(k_pe, cos, sin, interleaved=True)
         sel = self.indexer(x, qr, cos, sin, meta, cache)                 # [T, K'] context positions, -1 = none
         w = self.wkv_b_abs                                               # fp32/fp64 (torch path) or bf16 (kernels)
@@ -994,10 +982,13 @@ def _shard_files(path):
     return [os.path.join(path, f) for f in files], weight_map
 
 
-def validate_checkpoint(path, cfg: Config):
-    """Check each shard's header, then every tensor's presence, shape and dtype; a fault names the file or tensor.
-    (safetensors checks a header as it opens the file: its length, JSON, dtypes, each tensor's byte span.)"""
+def open_checkpoint(path) -> Config:
+    """The config of a checkpoint directory, after checking config.json, each shard's header (safetensors checks its
+    length, JSON, dtypes, each tensor's byte span), then every tensor's presence, shape and dtype; no weights read."""
     from safetensors import safe_open
+    if not isinstance(path, (str, os.PathLike)) or not os.path.isdir(path):
+        raise ValueError(f"model directory {path!r} does not exist (or is not a directory)")
+    cfg = Config.from_json(path)
     expected, found = checkpoint_tensors(cfg), {}
     files, weight_map = _shard_files(path)
     for file in files:
@@ -1024,10 +1015,10 @@ def validate_checkpoint(path, cfg: Config):
         if SAFETENSORS_DTYPES.get(dtype) not in ALLOWED_DTYPES[kind]:
             raise ValueError(f"{path}: tensor {name} has dtype {dtype}, expected "
                              f"{' or '.join(str(d).removeprefix('torch.') for d in ALLOWED_DTYPES[kind])} (in {file})")
-
     for name, (shape, kind) in expected.items():
         if name not in found:
             raise ValueError(f"{path}: missing tensor {name} (expected {kind} {shape})")
+    return cfg
 
 
 def select_ops(kernels, device):
@@ -1046,14 +1037,6 @@ def select_ops(kernels, device):
     return TORCH_OPS if why else gpu_kernels.GPU_OPS
 
 
-def open_checkpoint(path) -> Config:
-    """The config of a checkpoint directory, after checking config.json and every shard header (no weights read)."""
-    if not isinstance(path, (str, os.PathLike)) or not os.path.isdir(path):
-        raise ValueError(f"model directory {path!r} does not exist (or is not a directory)")
-    cfg = Config.from_json(path)
-    validate_checkpoint(path, cfg)
-    return cfg
-
 
 def load_model(path, device="cpu", kernels="auto", cfg=None) -> Transformer:
     """Load a DeepSeek-V3.2 HF checkpoint directory (cfg: open_checkpoint(path), if the caller has it). FP8 weights
@@ -1065,8 +1048,7 @@ def load_model(path, device="cpu", kernels="auto", cfg=None) -> Transformer:
     with torch.device("meta"):
         model = Transformer(cfg)
     model = model.to_empty(device=device).eval()
-    params = dict(model.named_parameters())
-    files = _shard_files(path)[0]
+    params, files = dict(model.named_parameters()), _shard_files(path)[0]
     total = sum(os.path.getsize(f) for f in files) // tp_size()        # about what each rank reads
     model.loaded_bytes = 0
     with tqdm(total=total, unit="B", unit_scale=True, desc="loading", leave=False,
@@ -1134,7 +1116,6 @@ def write_byte_tokenizer(path, vocab_size):
     chars = dict(zip(printable + others, map(chr, printable + [256 + n for n in range(len(others))])))
     vocab = {tok: i for i, tok in enumerate(specials)}
     vocab.update({ch: len(specials) + b for b, ch in chars.items()})
-
     placeholders = [f"<｜place▁holder▁no▁{i}｜>" for i in range(vocab_size - len(vocab))]
     vocab.update({tok: len(vocab) + i for i, tok in enumerate(placeholders)})
     tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
@@ -1614,8 +1595,7 @@ class CudaGraphs:
                        (self.ctx, meta.ctx_lens)) + (((self.h, h),) if h is not None else ()):
             buf[:T] = x
         self.positions[T:Tp], self.slots[T:Tp], self.ctx[T:Tp] = 0, 0, 1          # padding rows
-        self.table[:B, :meta.table.shape[1]] = meta.table
-        self.table[B:bs, 0] = 0
+        self.table[:B, :meta.table.shape[1]], self.table[B:bs, 0] = meta.table, 0
         static.ctx_host = F.pad(meta.ctx_host, (0, Tp - T), value=1)
         static.plan = self.llm.model.ops.plan(static, self.llm.cfg)      # exact lengths, before the replay
         graph.replay()
@@ -1623,13 +1603,10 @@ class CudaGraphs:
 
 
 # ---- CLI ---------------------------------------------------------------------------------------------------------
-class _Parser(__import__("argparse").ArgumentParser):
-    def error(self, message):                                   # one line, no usage dump
-        self.exit(2, f"error: {message}\n")
-
-
 def main(argv=None):
-    ap = _Parser(description="DeepSeek-V3.2 inference (DSA sparse attention, MTP speculative decoding).")
+    ap = argparse.ArgumentParser(
+        description="DeepSeek-V3.2 inference (DSA sparse attention, MTP speculative decoding).")
+    ap.error = lambda message: ap.exit(2, f"error: {message}\n")          # one line, no usage dump
     ap.add_argument("--model", help="DeepSeek-V3.2 checkpoint directory (default: a tiny random one, written once)")
     ap.add_argument("--prompt", action="append", default=[], help="prompt text (repeatable)")
     ap.add_argument("--prompt-file", help="a file with one prompt per line")
