@@ -27,8 +27,7 @@ def random_model(cfg: m.Config, device, seed=0, kernels="auto") -> m.Transformer
     FP8 quantization (not its values: the generator differs by device). For GPU benchmarks of full-width layers
     that no checkpoint on disk holds; the loader itself is exercised by `load_model`."""
     with torch.device("meta"):
-        model = m.Transformer(cfg)
-    model = model.to_empty(device=device).eval()
+        model = m.Transformer(cfg).to_empty(device=device).eval()
     params = dict(model.named_parameters())
     for name, (shape, kind) in m.checkpoint_tensors(cfg).items():
         if kind == "scale" or m.load_target(params, cfg, name) is None:    # None: another rank's expert (torchrun)

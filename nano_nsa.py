@@ -103,10 +103,20 @@ class Config:
     eps: float = 1e-6                # rms_norm_eps (also the indexer LayerNorm eps)
     bos_token_id: int = 0
     eos_token_id: int = 1
+    # lower bounds other than integers >= 1 and floats > 0; HF config.json name -> our name (the names that differ)
+    LOW = dict(n_dense_layers=0, n_mtp_layers=0, bos_token_id=0, eos_token_id=0, rope_theta=1.0, mscale=-math.inf)
+    HF_NAMES = dict(hidden_size="dim", intermediate_size="inter_dim", moe_intermediate_size="moe_inter_dim",
+                    num_hidden_layers="n_layers", first_k_dense_replace="n_dense_layers",
+                    num_nextn_predict_layers="n_mtp_layers", num_attention_heads="n_heads",
+                    num_experts_per_tok="n_activated_experts", n_group="n_expert_groups",
+                    topk_group="n_limited_groups", routed_scaling_factor="route_scale",
+                    max_position_embeddings="max_seq_len", rms_norm_eps="eps")
+    ROPE_NAMES = dict(factor="rope_factor", original_max_position_embeddings="original_seq_len",
+                      beta_fast="beta_fast", beta_slow="beta_slow", mscale="mscale")
 
     def __post_init__(self):
         """Refuse (one-line ValueError) what the layers cannot run: wrong types or signs first, then shapes."""
-        for f in fields(self):                     # integers >= 1 and floats > 0, unless LOW says otherwise
+        for f in fields(self):
             kind = int if f.type in ("int", int) else float
             check_arg(self.label(f.name), getattr(self, f.name), kind, self.LOW.get(f.name, 1 if kind is int else 0),
                       open_low=kind is float)
@@ -143,8 +153,6 @@ class Config:
                 raise ValueError(f"tensor parallel size {n}: {what} = {v} must be a multiple of {d}"
                                  + (f" (whole {BLOCK}-wide FP8 blocks per rank)" if d > n else ""))
 
-    LOW = dict(n_dense_layers=0, n_mtp_layers=0, bos_token_id=0, eos_token_id=0, rope_theta=1.0, mscale=-math.inf)
-
     @classmethod
     def label(cls, name):                      # our field name, and the config.json one where it differs
         hf = {v: k for k, v in cls.HF_NAMES.items()} | {v: f"rope_scaling.{k}" for k, v in cls.ROPE_NAMES.items()}
@@ -159,16 +167,6 @@ class Config:
         """MLA softmax scale: qk_head_dim^-0.5 times the YaRN mscale squared (0.13523 for the 671B model)."""
         m = 0.1 * self.mscale * math.log(self.rope_factor) + 1.0
         return self.qk_head_dim ** -0.5 * m * m
-
-    # HF config.json name -> our name (only the names that differ)
-    HF_NAMES = dict(hidden_size="dim", intermediate_size="inter_dim", moe_intermediate_size="moe_inter_dim",
-                    num_hidden_layers="n_layers", first_k_dense_replace="n_dense_layers",
-                    num_nextn_predict_layers="n_mtp_layers", num_attention_heads="n_heads",
-                    num_experts_per_tok="n_activated_experts", n_group="n_expert_groups",
-                    topk_group="n_limited_groups", routed_scaling_factor="route_scale",
-                    max_position_embeddings="max_seq_len", rms_norm_eps="eps")
-    ROPE_NAMES = dict(factor="rope_factor", original_max_position_embeddings="original_seq_len",
-                      beta_fast="beta_fast", beta_slow="beta_slow", mscale="mscale")
 
     @classmethod
     def from_json(cls, path):
@@ -466,7 +464,6 @@ def fp8_linear(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, partial=Fa
     return y if partial else y.to(BF16)
 
 
-
 def _param(*shape, dtype):
     return nn.Parameter(torch.empty(*shape, dtype=dtype), requires_grad=False)   # inference only: no grads
 
@@ -485,12 +482,11 @@ class Linear(nn.Module):
     def __init__(self, in_features, out_features, fp8=True, dtype=BF16, n=None, split=None):
         super().__init__()
         self.partial = split == "row"                   # output unrounded: rounded after the all-reduce
-        out_features //= tp_size() if split == "col" else 1
-        in_features //= tp_size() if split == "row" else 1
+        out = out_features // tp_size() if split == "col" else out_features
+        inp = in_features // tp_size() if split == "row" else in_features
         stack = [n] if n else []
-        self.weight = _param(*stack, out_features, in_features, dtype=FP8 if fp8 else dtype)
-        self.scale = _param(*stack, -(-out_features // BLOCK), -(-in_features // BLOCK), dtype=torch.float32) \
-            if fp8 else None
+        self.weight = _param(*stack, out, inp, dtype=FP8 if fp8 else dtype)
+        self.scale = _param(*stack, -(-out // BLOCK), -(-inp // BLOCK), dtype=torch.float32) if fp8 else None
 
     def forward(self, x):
         if self.scale is None:
@@ -555,8 +551,7 @@ def rope_cos_sin(cfg: Config, positions: torch.Tensor):
 def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: bool) -> torch.Tensor:
     """Rotate x [T, ..., R] by position. interleaved (MLA): pairs (x[2i], x[2i+1]); half-split (indexer):
     pairs (x[i], x[i + R/2]). fp32 math, bf16 out."""
-    x = x.float()
-    x1, x2 = (x[..., 0::2], x[..., 1::2]) if interleaved else x.chunk(2, dim=-1)
+    x1, x2 = (x[..., 0::2].float(), x[..., 1::2].float()) if interleaved else x.float().chunk(2, dim=-1)
     shape = (cos.shape[0],) + (1,) * (x.dim() - 2) + (cos.shape[1],)       # broadcast over heads
     cos, sin = cos.view(shape), sin.view(shape)
     o1, o2 = x1 * cos - x2 * sin, x1 * sin + x2 * cos
@@ -1037,7 +1032,6 @@ def select_ops(kernels, device):
     return TORCH_OPS if why else gpu_kernels.GPU_OPS
 
 
-
 def load_model(path, device="cpu", kernels="auto", cfg=None) -> Transformer:
     """Load a DeepSeek-V3.2 HF checkpoint directory (cfg: open_checkpoint(path), if the caller has it). FP8 weights
     stay FP8; norms, router bias, weights_proj and the heads are upcast to fp32 one tensor at a time, as the
@@ -1045,9 +1039,8 @@ def load_model(path, device="cpu", kernels="auto", cfg=None) -> Transformer:
     from safetensors import safe_open
     from tqdm import tqdm
     cfg = cfg or open_checkpoint(path)
-    with torch.device("meta"):
-        model = Transformer(cfg)
-    model = model.to_empty(device=device).eval()
+    with torch.device("meta"):                          # the layers' shapes only: no memory touched twice
+        model = Transformer(cfg).to_empty(device=device).eval()
     params, files = dict(model.named_parameters()), _shard_files(path)[0]
     total = sum(os.path.getsize(f) for f in files) // tp_size()        # about what each rank reads
     model.loaded_bytes = 0
@@ -1072,10 +1065,9 @@ def load_model(path, device="cpu", kernels="auto", cfg=None) -> Transformer:
 
 def _share_mtp_copies(model):
     for m in model.mtp:            # the MTP embedding/head are copies of the main ones: share them when equal
-        if torch.equal(m.embed.weight, model.embed.weight):
-            m.embed.weight = model.embed.weight
-        if torch.equal(m.shared_head.head.weight, model.head.weight):
-            m.shared_head.head.weight = model.head.weight
+        for copy, main in ((m.embed, model.embed), (m.shared_head.head, model.head)):
+            if torch.equal(copy.weight, main.weight):
+                copy.weight = main.weight
     return model
 
 
@@ -1110,14 +1102,12 @@ def write_byte_tokenizer(path, vocab_size):
     from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
     specials = [BOS, EOS, USER, ASSISTANT, THINK, END_THINK]
     assert vocab_size >= len(specials) + 256, "the byte tokenizer needs 262 ids"
-    # the byte-level BPE alphabet: printable bytes stand for themselves, the other 68 for chr(256 + n)
-    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), 256)]
+    # the byte-level BPE alphabet: printable bytes stand for themselves, the other 68 for chr(256 + n), in order
+    printable = {*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), 256)}
     others = [b for b in range(256) if b not in printable]
-    chars = dict(zip(printable + others, map(chr, printable + [256 + n for n in range(len(others))])))
-    vocab = {tok: i for i, tok in enumerate(specials)}
-    vocab.update({ch: len(specials) + b for b, ch in chars.items()})
-    placeholders = [f"<｜place▁holder▁no▁{i}｜>" for i in range(vocab_size - len(vocab))]
-    vocab.update({tok: len(vocab) + i for i, tok in enumerate(placeholders)})
+    alphabet = [chr(b) if b in printable else chr(256 + others.index(b)) for b in range(256)]   # token 6 + b: byte b
+    placeholders = [f"<｜place▁holder▁no▁{i}｜>" for i in range(vocab_size - len(specials) - 256)]
+    vocab = {tok: i for i, tok in enumerate(specials + alphabet + placeholders)}
     tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
     tok.decoder = decoders.ByteLevel()
@@ -1308,19 +1298,6 @@ class LLM:
         pages = to_device(pages, self.device)
         return (pages[:, :, None] * self.page_size + torch.arange(self.page_size, device=self.device)).flatten(1)
 
-    def _reserve_or_preempt(self, reqs, n_positions):
-        """Give every request pages for n_positions(r); when the pool is full, preempt the newest request (its
-        pages are freed and it is recomputed later). Returns the requests still running."""
-        for r in list(reqs):
-            while r in self.running and not self._reserve(r, n_positions(r)):
-                victim = self.running.pop()                          # newest admitted
-                self._release(victim)
-                self.preemptions += 1
-                victim.num_cached, victim.draft, victim.q = 0, None, None
-                victim.prefill_target = len(victim.tokens) - 1       # its last token is known: no resampling
-                self.waiting.insert(0, victim)
-        return [r for r in reqs if r in self.running]
-
     # --- the engine loop --------------------------------------------------------------------------------------
     def generate(self, prompts, max_new_tokens=256, temperature=0.0, top_p=1.0, seed=None, return_logits=False,
                  thinking=False, raw=False, on_tokens=None):
@@ -1488,7 +1465,15 @@ class LLM:
         over the same rows (draft-extend: rows past the accepted tokens are padding, so shapes and metadata do not
         depend on what was accepted), draft k new tokens. One read-back per round settles the greedy requests."""
         k = self.k
-        reqs = self._reserve_or_preempt(reqs, lambda r: r.num_cached + 2 * k + 1)
+        for r in list(reqs):    # pages for the round; a full pool preempts the newest request, to be recomputed later
+            while r in self.running and not self._reserve(r, r.num_cached + 2 * k + 1):
+                victim = self.running.pop()                          # newest admitted
+                self._release(victim)
+                self.preemptions += 1
+                victim.num_cached, victim.draft, victim.q = 0, None, None
+                victim.prefill_target = len(victim.tokens) - 1       # its last token is known: no resampling
+                self.waiting.insert(0, victim)
+        reqs = [r for r in reqs if r in self.running]
         if not reqs:
             return
         B, L = len(reqs), [r.num_cached for r in reqs]
@@ -1545,8 +1530,7 @@ class CudaGraphs:
         kinds = ["verify"] + ["extend"] * (k > 0) + ["draft"] * (k > 1)
         self.buckets = {kind: graph_buckets(llm.max_batch, self.rows[kind], tp_size()) for kind in kinds}
         max_bs = max(b[-1] for b in self.buckets.values())
-        rows = max_bs * (k + 1)
-        self.max_width = -(-(llm.max_context + 2 * k + 2) // llm.page_size) * llm.page_size
+        rows, self.max_width = max_bs * (k + 1), -(-(llm.max_context + 2 * k + 2) // llm.page_size) * llm.page_size
         self.tokens, self.positions, self.slots, self.ctx = (torch.zeros(rows, dtype=torch.long, device=dev)
                                                              for _ in range(4))
         self.h = torch.zeros(rows, cfg.dim, dtype=BF16, device=dev)
