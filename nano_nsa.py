@@ -158,9 +158,7 @@ class Config:
         hf = {v: k for k, v in cls.HF_NAMES.items()} | {v: f"rope_scaling.{k}" for k, v in cls.ROPE_NAMES.items()}
         return f"{name} ({hf[name]})" if hf.get(name, name) != name else name
 
-    @property
-    def qk_head_dim(self):
-        return self.qk_nope_head_dim + self.qk_rope_head_dim
+    qk_head_dim = property(lambda self: self.qk_nope_head_dim + self.qk_rope_head_dim)
 
     @property
     def softmax_scale(self):
@@ -489,9 +487,8 @@ class Linear(nn.Module):
         self.scale = _param(*stack, -(-out // BLOCK), -(-inp // BLOCK), dtype=torch.float32) if fp8 else None
 
     def forward(self, x):
-        if self.scale is None:
-            return self.ops.dense_linear(x, self.weight)
-        return self.ops.fp8_linear(x, self.weight, self.scale, self.partial)
+        return self.ops.dense_linear(x, self.weight) if self.scale is None else \
+            self.ops.fp8_linear(x, self.weight, self.scale, self.partial)
 
 
 class RMSNorm(nn.Module):
@@ -623,14 +620,8 @@ class LayerCache:
     ik: torch.Tensor             # [S, J] fp8   indexer key
     iks: torch.Tensor            # [S]    fp32  indexer key scale
     C: int                       # kv_lora_rank
-
-    @property
-    def kv(self):                # [S, C] a view: kernels read `latent` packed (576) or split (512 + 64)
-        return self.latent[:, :self.C]
-
-    @property
-    def pe(self):                # [S, R]
-        return self.latent[:, self.C:]
+    kv = property(lambda self: self.latent[:, :self.C])   # [S, C] a view: kernels read `latent` whole or split
+    pe = property(lambda self: self.latent[:, self.C:])   # [S, R]
 
 
 # ---- Lightning indexer (DSA): picks the top-K context positions for every query row (spec 3.7) -------------------
@@ -832,8 +823,7 @@ class MoE(nn.Module):
         ex, E = self.experts, self.experts.w13.weight.shape[0]
         first = tp_rank() * E                                     # this rank holds experts first .. first + E - 1
         idx = torch.where((idx >= first) & (idx < first + E), idx - first, E)   # E: another rank's, skipped
-        y = self.ops.moe(x, w, idx, ex.w13.weight, ex.w13.scale, ex.w2.weight, ex.w2.scale)   # fp32 accumulation
-        return y + self.shared_experts(x)
+        return self.ops.moe(x, w, idx, ex.w13.weight, ex.w13.scale, ex.w2.weight, ex.w2.scale) + self.shared_experts(x)
 
 
 # ---- Block, Transformer, MTP layer (spec 3.10, 3.11) -------------------------------------------------------------
@@ -1216,10 +1206,7 @@ class Request:
     logits: list = field(default_factory=list)   # main-model logits rows of the emitted tokens (return_logits)
     accept_lengths: list = field(default_factory=list)
     finish: str = None           # "eos" | "length" once done
-
-    @property
-    def generated(self):
-        return self.tokens[self.prompt_len:]
+    generated = property(lambda self: self.tokens[self.prompt_len:])
 
 
 @dataclass
@@ -1232,9 +1219,8 @@ class Result:
 
 
 class LLM:
-    """DeepSeek-V3.2 engine. Every step is one of: a prefill step (chunks of prompts, then the MTP layer over
-    the same chunks), or a decode round over all running requests: verify k drafts per request in one main-model
-    pass of decode rows, accept, draft-extend the MTP layer over the accepted tokens, draft k new tokens."""
+    """DeepSeek-V3.2 engine. Every step is a prefill step (chunks of prompts, then the MTP layer over the same chunks)
+    or a decode round over all running requests (verify, accept, draft-extend, draft: _decode_round)."""
     # generate's numeric arguments: check_arg's (kind, low, high, open_low); the CLI checks them before loading
     SAMPLING = dict(max_new_tokens=(int, 0, None, True), temperature=(float, 0), top_p=(float, 0, 1, True), seed=(int,))
 
@@ -1388,9 +1374,8 @@ class LLM:
 
     def _sample(self, r, logits):
         """One token from logits [V]: the argmax (greedy) or a draw from the temperature / top-p distribution."""
-        if r.temperature == 0:
-            return int(logits.argmax())
-        return int(sample_no_sync(probs_from_logits(logits[None], r.temperature, r.top_p)[0], r.gen))
+        return int(logits.argmax()) if r.temperature == 0 else \
+            int(sample_no_sync(probs_from_logits(logits[None], r.temperature, r.top_p)[0], r.gen))
 
     def _pick(self, reqs, logits, j):
         """Draft token j of each request from the MTP logits [B, V], on the device: the argmax, or a draw from the
@@ -1438,9 +1423,8 @@ class LLM:
         model, k + 1 rows per request), 'extend' (the MTP layer over the same rows), 'draft' (MTP, 1 row each)."""
         if self.graphs:
             return self.graphs.run(kind, tokens, meta, h, j)
-        if kind == "verify":
-            return self.model(tokens, meta, self.cache)
-        return self.model.mtp_forward(tokens, h, meta, self.cache, j)
+        return self.model(tokens, meta, self.cache) if kind == "verify" else \
+            self.model.mtp_forward(tokens, h, meta, self.cache, j)
 
     def _draft(self, reqs, h):
         """k draft tokens per request, left on the device (r.draft [k]): the first from the MTP row that just ran at
