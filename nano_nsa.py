@@ -45,12 +45,16 @@ def _is_num(v, integer=False):         # finite (not nan, inf, or beyond the flo
     return isinstance(v, Integral if integer else Real) and not isinstance(v, bool) and abs(v) <= sys.float_info.max
 
 
+def require(ok, message):
+    if not ok:
+        raise ValueError(message)
+
+
 def check_arg(name, value, kind, low=None, high=None, open_low=False):
     """A `kind` value (int, float: finite, or bool) in [low, high] ((low, high] if open_low), else a ValueError."""
     what, ok = {int: ("an integer", _is_num(value, True)), float: ("a finite number", _is_num(value)),
                 bool: ("True or False", isinstance(value, bool))}[kind]
-    if not ok:
-        raise ValueError(f"{name} must be {what} (got {value!r:.80})")
+    require(ok, f"{name} must be {what} (got {value!r:.80})")
     if low is not None and (value < low or open_low and value == low) or high is not None and value > high:
         rule = f"{'>' if open_low else '>='} {low}" if high is None else f"in {'(' if open_low else '['}{low}, {high}]"
         raise ValueError(f"{name} must be {rule} (got {value!r})")
@@ -63,8 +67,7 @@ def read_json(path):
             obj = json.load(f)
     except (OSError, ValueError) as e:                  # ValueError: bad JSON or not UTF-8
         raise ValueError(f"{path}: {'cannot read' if isinstance(e, OSError) else 'not valid JSON'} ({e})") from None
-    if not isinstance(obj, dict):
-        raise ValueError(f"{path}: expected a JSON object, not {type(obj).__name__}")
+    require(isinstance(obj, dict), f"{path}: expected a JSON object, not {type(obj).__name__}")
     return obj
 
 
@@ -134,8 +137,7 @@ class Config:
         rules += [(getattr(self, n) % BLOCK == 0, f"{self.label(n)} must be a multiple of {BLOCK} (FP8 activation "
                    f"groups)") for n in ("dim", "q_lora_rank", "kv_lora_rank", "inter_dim", "moe_inter_dim")]
         for ok, why in rules:
-            if not ok:
-                raise ValueError(why)
+            require(ok, why)
 
     def check_tp(self, n):
         """Refuse a tensor-parallel size n (ranks) that would split a head, an expert or the vocabulary unevenly, or
@@ -149,9 +151,8 @@ class Config:
                  ("shared expert width (moe_inter_dim * n_shared_experts)", self.moe_inter_dim * self.n_shared_experts,
                   n * BLOCK)]
         for what, v, d in rules:
-            if v % d:
-                raise ValueError(f"tensor parallel size {n}: {what} = {v} must be a multiple of {d}"
-                                 + (f" (whole {BLOCK}-wide FP8 blocks per rank)" if d > n else ""))
+            require(v % d == 0, f"tensor parallel size {n}: {what} = {v} must be a multiple of {d}"
+                    + (f" (whole {BLOCK}-wide FP8 blocks per rank)" if d > n else ""))
 
     @classmethod
     def label(cls, name):                      # our field name, and the config.json one where it differs
@@ -170,8 +171,7 @@ class Config:
     def from_json(cls, path):
         """Build from an HF DeepSeek-V3.2 `config.json` (a file or the directory holding it)."""
         path = os.path.join(path, "config.json") if os.path.isdir(path) else path
-        if not os.path.isfile(path):
-            raise ValueError(f"no config.json at {path}")
+        require(os.path.isfile(path), f"no config.json at {path}")
         hf = read_json(path)
         arch, q, rope = hf.get("architectures"), hf.get("quantization_config", {}), hf.get("rope_scaling") or {}
         if hf.get("model_type") != "deepseek_v32" and not (isinstance(arch, list) and "DeepseekV32ForCausalLM" in arch):
@@ -180,15 +180,12 @@ class Config:
             raise ValueError(f"{path}: quantization_config and rope_scaling must be JSON objects")
         for k, v in dict(scoring_func="sigmoid", topk_method="noaux_tc", hidden_act="silu", norm_topk_prob=True,
                          tie_word_embeddings=False).items():
-            if k in hf and hf[k] != v:
-                raise ValueError(f"{path}: {k}={hf[k]!r} is not supported (DeepSeek-V3.2 uses {v!r})")
-        if q.get("quant_method") != "fp8" or q.get("fmt", "e4m3") != "e4m3" or \
-                q.get("weight_block_size") != [BLOCK, BLOCK]:
-            raise ValueError(f"{path}: expected quantization_config fp8 e4m3 with weight_block_size [128, 128]")
+            require(k not in hf or hf[k] == v, f"{path}: {k}={hf.get(k)!r} is not supported (DeepSeek-V3.2 uses {v!r})")
+        require(q.get("quant_method") == "fp8" and q.get("fmt", "e4m3") == "e4m3" and q.get("weight_block_size") ==
+                [BLOCK, BLOCK], f"{path}: expected quantization_config fp8 e4m3 with weight_block_size [128, 128]")
         if q.get("scale_fmt", "ue8m0") != "ue8m0":     # activation scales are powers of two (ue8m0) here
             raise ValueError(f"{path}: scale_fmt {q['scale_fmt']!r} is not supported (DeepSeek-V3.2 uses 'ue8m0')")
-        if rope.get("type", rope.get("rope_type")) != "yarn":
-            raise ValueError(f"{path}: expected rope_scaling of type yarn")
+        require(rope.get("type", rope.get("rope_type")) == "yarn", f"{path}: expected rope_scaling of type yarn")
         names = {f.name for f in fields(cls)}
         kw = {cls.HF_NAMES.get(k, k): v for k, v in hf.items() if cls.HF_NAMES.get(k, k) in names}
         kw.update({ours: rope[k] for k, ours in cls.ROPE_NAMES.items() if k in rope})
@@ -962,8 +959,8 @@ def _shard_files(path):
     else:
         raise ValueError(f"{path}: no model.safetensors.index.json or model.safetensors (safetensors only)")
     for f in files:
-        if not os.path.isfile(os.path.join(path, f)):
-            raise ValueError(f"{path}: shard {f} listed in model.safetensors.index.json is missing")
+        require(os.path.isfile(os.path.join(path, f)),
+                f"{path}: shard {f} listed in model.safetensors.index.json is missing")
     return [os.path.join(path, f) for f in files], weight_map
 
 
@@ -991,34 +988,28 @@ def open_checkpoint(path) -> Config:
         if name in found and found[name][2] != file:
             raise ValueError(f"{path}: tensor {name} is in {found[name][2]}, but the index says {file}")
     for name, (shape, dtype, file) in found.items():
-        if name not in expected:
-            raise ValueError(f"{path}: unexpected tensor {name} in {file} (not part of DeepSeek-V3.2 with this "
-                             f"config)")
+        require(name in expected, f"{path}: unexpected tensor {name} in {file} (not part of DeepSeek-V3.2 with this "
+                f"config)")
         want_shape, kind = expected[name]
-        if shape != want_shape:
-            raise ValueError(f"{path}: tensor {name} has shape {shape}, expected {want_shape} (in {file})")
+        require(shape == want_shape, f"{path}: tensor {name} has shape {shape}, expected {want_shape} (in {file})")
         if SAFETENSORS_DTYPES.get(dtype) not in ALLOWED_DTYPES[kind]:
             raise ValueError(f"{path}: tensor {name} has dtype {dtype}, expected "
                              f"{' or '.join(str(d).removeprefix('torch.') for d in ALLOWED_DTYPES[kind])} (in {file})")
     for name, (shape, kind) in expected.items():
-        if name not in found:
-            raise ValueError(f"{path}: missing tensor {name} (expected {kind} {shape})")
+        require(name in found, f"{path}: missing tensor {name} (expected {kind} {shape})")
     return cfg
 
 
 def select_ops(kernels, device):
     """The kernel set for a device: 'torch' the references; 'gpu' kernels.py (an error where it cannot run);
     'auto' kernels.py on a GPU that supports it, else the references."""
-    if kernels not in ("auto", "torch", "gpu"):
-        raise ValueError(f"kernels must be 'auto', 'torch' or 'gpu' (got {kernels!r})")
+    require(kernels in ("auto", "torch", "gpu"), f"kernels must be 'auto', 'torch' or 'gpu' (got {kernels!r})")
     if kernels == "torch" or (kernels == "auto" and torch.device(device).type != "cuda"):
         return TORCH_OPS
-    if torch.device(device).type != "cuda":
-        raise ValueError(f"kernels='gpu' needs a CUDA device (got {device})")
+    require(torch.device(device).type == "cuda", f"kernels='gpu' needs a CUDA device (got {device})")
     import kernels as gpu_kernels                  # Triton + flashinfer: imported only on the GPU path
     why = gpu_kernels.unsupported(torch.device(device))
-    if why and kernels == "gpu":
-        raise ValueError(f"the GPU kernels cannot run here: {why}")
+    require(not why or kernels != "gpu", f"the GPU kernels cannot run here: {why}")
     return TORCH_OPS if why else gpu_kernels.GPU_OPS
 
 
@@ -1116,15 +1107,13 @@ def load_tokenizer(model_dir, cfg: Config):
     encode as one token, and BOS / EOS are the config's bos_token_id / eos_token_id."""
     from tokenizers import Tokenizer
     file = os.path.join(model_dir, "tokenizer.json")
-    if not os.path.isfile(file):
-        raise ValueError(f"{model_dir}: no tokenizer.json")
+    require(os.path.isfile(file), f"{model_dir}: no tokenizer.json")
     try:
         tok = Tokenizer.from_file(file)
     except Exception as e:                      # the tokenizers library raises a bare Exception
         raise ValueError(f"{file}: not a valid tokenizer ({' '.join(str(e).split())})") from None
     top = max(tok.get_vocab(with_added_tokens=True).values(), default=-1)
-    if top >= cfg.vocab_size:
-        raise ValueError(f"{file}: has token id {top}, but the model's vocab_size is {cfg.vocab_size}")
+    require(top < cfg.vocab_size, f"{file}: has token id {top}, but the model's vocab_size is {cfg.vocab_size}")
     for t in (BOS, EOS, USER, ASSISTANT, THINK, END_THINK):
         if tok.encode(t, add_special_tokens=False).ids != [tok.token_to_id(t)]:
             raise ValueError(f"{file}: the special token {t} is missing (the chat format needs it as one token)")
@@ -1242,8 +1231,7 @@ class LLM:
         model_dir = model_dir or default_model_dir()
         self.cfg = cfg = model.cfg if model else open_checkpoint(model_dir)   # config + shard headers: no weights yet
         self.tokenizer = load_tokenizer(model_dir, cfg)
-        if mtp > 0 and cfg.n_mtp_layers == 0:
-            raise ValueError(f"mtp={mtp}: needs a checkpoint with an MTP layer")
+        require(mtp == 0 or cfg.n_mtp_layers > 0, f"mtp={mtp}: needs a checkpoint with an MTP layer")
         page, cuda = KVCache.bytes_per_token(cfg) * page_size, dev.type == "cuda"
         memory = torch.cuda.mem_get_info(dev)[1] if cuda else os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
         if kv_cache_bytes is not None and not 2 * page <= kv_cache_bytes <= memory:     # page 0: the dummy page
@@ -1297,8 +1285,7 @@ class LLM:
                             return_logits=return_logits, thinking=thinking, raw=raw,
                             seed=0 if seed is None else seed).items():
             check_arg(name, v, *self.SAMPLING.get(name, (bool,)))
-        if on_tokens is not None and not callable(on_tokens):
-            raise ValueError(f"on_tokens must be a function (got {on_tokens!r:.80})")
+        require(on_tokens is None or callable(on_tokens), f"on_tokens must be a function (got {on_tokens!r:.80})")
         if not prompts:
             return []
         temperature = max(temperature, 1e-5) if temperature > 0 else 0     # as the reference: no overflow in logits/T
@@ -1309,10 +1296,9 @@ class LLM:
         reqs = []
         for i, p in enumerate(prompts):
             ids = self.encode(p, thinking, raw)
-            if not ids:
-                raise ValueError(f"prompt {i} is empty")
-            if min(ids) < 0 or max(ids) >= self.cfg.vocab_size:
-                raise ValueError(f"prompt {i} has token ids outside [0, {self.cfg.vocab_size})")
+            require(ids, f"prompt {i} is empty")
+            require(min(ids) >= 0 and max(ids) < self.cfg.vocab_size,
+                    f"prompt {i} has token ids outside [0, {self.cfg.vocab_size})")
             if len(ids) + max_new_tokens > self.max_context:
                 raise ValueError(f"prompt {i} has {len(ids)} tokens; with max_new_tokens={max_new_tokens} it exceeds "
                                  f"the context limit of {self.max_context} tokens")
@@ -1600,8 +1586,7 @@ def main(argv=None):
                     prompts += [line.rstrip("\n") for line in f if line.strip()]
             except UnicodeDecodeError as e:
                 raise ValueError(f"{args.prompt_file}: not UTF-8 text ({e.reason} at byte {e.start})") from None
-        if not prompts:
-            raise ValueError("give at least one --prompt or a --prompt-file")
+        require(prompts, "give at least one --prompt or a --prompt-file")
         for name, rule in LLM.SAMPLING.items():                # before any work: a model may take minutes to load
             check_arg(name, getattr(args, name), *rule)
         llm = LLM(args.model, device=args.device, mtp=args.mtp, max_context=args.max_context,
