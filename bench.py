@@ -40,21 +40,19 @@ def random_model(cfg: m.Config, device, seed=0, kernels="auto") -> m.Transformer
     return m._share_mtp_copies(model).bind(m.select_ops(kernels, device))
 
 
-def graph_time(fn, iters=20):
-    """Median milliseconds of fn() replayed from a CUDA graph: device time, with no Python launch overhead."""
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        fn()
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        fn()
-    return cuda_time(g.replay, 2, iters)
-
-
-def cuda_time(fn, warmup=3, iters=20):
-    """Median milliseconds of fn() by CUDA events after warm-up."""
+def cuda_time(fn, warmup=3, iters=20, graph=False):
+    """Median milliseconds of fn() by CUDA events after warm-up; graph=True: of fn() captured once in a CUDA graph
+    and replayed (device time, with no Python launch overhead)."""
+    if graph:
+        s = torch.cuda.Stream()
+        s.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(s):
+            fn()
+        torch.cuda.current_stream().wait_stream(s)
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            fn()
+        fn, warmup = g.replay, 2
     for _ in range(warmup):
         fn()
     times = []
@@ -104,7 +102,7 @@ def fp8(args, out):
     rows, sm_rows = [], []
 
     def measure(name, M, nbytes, fn, ref, ref_iters):       # graph, eager, torch reference -> one row; graph time
-        t, te = graph_time(fn), cuda_time(fn)
+        t, te = cuda_time(fn, graph=True), cuda_time(fn)
         t_ref = cuda_time(ref, 1, ref_iters)
         rows.append((name, M, nbytes / 1e6, t * 1e3, te * 1e3, nbytes / t / 1e9 / bw, t_ref / te))
         return t
@@ -151,7 +149,7 @@ def scaled_mm_time(x, w, s, t_triton):
             err = " ".join(str(e).split())[:90]
     else:
         return (float("nan"), float("nan"), err)
-    ref, t = m.fp8_linear(x, w, s).float(), graph_time(fn)
+    ref, t = m.fp8_linear(x, w, s).float(), cuda_time(fn, graph=True)
     return (t * 1e3, t / t_triton, f"{((y - ref).norm() / ref.norm()).item():.1e}")
 
 
@@ -429,8 +427,7 @@ def baseline(args, out):
             hf.generate(ids, **{**kw, "max_new_tokens": 2, "min_new_tokens": 2})
             torch.cuda.synchronize()
             t0 = time.perf_counter()
-            theirs = hf.generate(ids, **kw)[:, ids.shape[1]:].tolist()
-            torch.cuda.synchronize()
+            theirs = hf.generate(ids, **kw)[:, ids.shape[1]:].tolist()      # (tolist waits for the GPU)
             hf_tok_s = bs * N / (time.perf_counter() - t0)
             agree = [next((i for i, (a, b) in enumerate(zip(x, y)) if a != b), N) for x, y in zip(ours[bs][0], theirs)]
             res.append(dict(model=name, bs=bs, hf_tok_s=hf_tok_s, ours_tok_s=ours[bs][1],
