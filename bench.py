@@ -16,6 +16,7 @@ import statistics
 import sys
 import tempfile
 import time
+from types import SimpleNamespace
 
 import torch
 
@@ -312,13 +313,8 @@ def verify_attention(out):
         q_abs, q_pe = torch.randn(4, H, C, device="cuda").to(m.BF16), torch.randn(4, H, R, device="cuda").to(m.BF16)
         t_dec = cuda_time(lambda: kernels.sparse_mla(q_abs, q_pe, cache, slots, meta, cfg.softmax_scale))
         w = (torch.randn(H, D + V, C, device="cuda") * 0.05).to(m.BF16)
-        q, ctx_slots = torch.randn(4, H, D + R, device="cuda").to(m.BF16), meta.table[0, :ctx + 4]
-
-        def prefill_style():
-            kvf = torch.einsum("nc,hec->nhe", cache.kv[ctx_slots], w)
-            k = torch.cat([kvf[..., :D], cache.pe[ctx_slots][:, None, :].expand(-1, H, -1)], -1)
-            return kernels.dense_attention(q, k, kvf[..., D:], cfg.softmax_scale)
-        t_pre = cuda_time(prefill_style)
+        q_nope, mla = torch.randn(4, H, D, device="cuda").to(m.BF16), SimpleNamespace(cfg=cfg, ops=kernels)
+        t_pre = cuda_time(lambda: m.MLA.attend_dense(mla, q_nope, q_pe, w, meta.table[0, :ctx + 4], cache))  # as MLA
         res.append(dict(ctx=ctx, decode_rows_ms=t_dec, prefill_style_ms=t_pre, ratio=t_pre / t_dec))
     table("Verify attention, 4 rows, one layer: decode rows (sparse, top-k each) vs prefill-style (one causal chunk, "
           "per-head form, whole context)", ["ctx", "decode rows ms", "prefill-style ms", "prefill / decode"],
