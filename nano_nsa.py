@@ -654,11 +654,9 @@ def index_topk(q8, w, cache: LayerCache, meta: Meta, k):
             ctx = meta.table[b, :int(meta.ctx_lens[r].max())]                             # [N] slots
             s = index_scores(q8[r], w[r], cache.ik[ctx][None], cache.iks[ctx][None])
             out.append(topk_positions(s, meta.ctx_lens[r], k))
-        width = min(k, meta.max_ctx)
-        return torch.cat([F.pad(o, (0, width - o.shape[1]), value=-1) for o in out])
+        return torch.cat([F.pad(o, (0, min(k, meta.max_ctx) - o.shape[1]), value=-1) for o in out])
     ctx = meta.table[meta.row_req, :meta.max_ctx]        # decode/verify: flattened rows [T, N]
-    s = index_scores(q8, w, cache.ik[ctx], cache.iks[ctx])
-    return topk_positions(s, meta.ctx_lens, k)
+    return topk_positions(index_scores(q8, w, cache.ik[ctx], cache.iks[ctx]), meta.ctx_lens, k)
 
 
 class Indexer(nn.Module):
@@ -696,8 +694,7 @@ def sparse_mla(q_abs, q_pe, cache: LayerCache, slots, meta: Meta, scale):
     valid, acc = slots >= 0, acc_dtype(q_abs)
     kv, pe = cache.kv[slots.clamp(min=0)].to(acc), cache.pe[slots.clamp(min=0)].to(acc)  # [T, K, C], [T, K, R]
     scores = (q_abs.to(acc) @ kv.transpose(1, 2) + q_pe.to(acc) @ pe.transpose(1, 2)) * scale  # [T, H, K]
-    p = scores.masked_fill(~valid[:, None, :], float("-inf")).softmax(-1)
-    return (p @ kv).float()                                                                # [T, H, C]
+    return (scores.masked_fill(~valid[:, None, :], float("-inf")).softmax(-1) @ kv).float()   # [T, H, C]
 
 
 def dense_attention(q, k, v, scale):
@@ -706,8 +703,7 @@ def dense_attention(q, k, v, scale):
     S, N = q.shape[0], k.shape[0]
     scores = torch.einsum("shd,nhd->hsn", q, k) * scale
     future = torch.arange(N, device=q.device) > torch.arange(S, device=q.device)[:, None] + (N - S)
-    p = scores.masked_fill(future, float("-inf")).softmax(-1)
-    return torch.einsum("hsn,nhv->shv", p, v)
+    return torch.einsum("hsn,nhv->shv", scores.masked_fill(future, float("-inf")).softmax(-1), v)
 
 
 class MLA(nn.Module):
@@ -1247,8 +1243,8 @@ class LLM:
         self.cache = KVCache(cfg, num_pages * page_size, self.device)
         self.free_pages = list(range(1, num_pages))             # page 0 is never given out: slot 0 is the dummy slot
         self.max_context = min(max_context or cfg.max_seq_len, cfg.max_seq_len)   # that padded rows write to
-        self.stats = {}                                         # (the torch references sync the host: no graphs)
-        self.graphs = CudaGraphs(self) if cuda_graphs and cuda and self.model.ops is not TORCH_OPS else None
+        self.stats, torch_ops = {}, self.model.ops is TORCH_OPS      # the torch references sync the host: no graphs
+        self.graphs = CudaGraphs(self) if cuda_graphs and cuda and not torch_ops else None
 
     # --- paged KV pool: a request owns pages; position p lives in slot pages[p // P] * P + p % P ---------------
     def _reserve(self, req, n_positions):
