@@ -501,15 +501,6 @@ class RMSNorm(nn.Module):
         return y if residual is None else (y, x.to(BF16))
 
 
-class LayerNorm(nn.Module):
-    """LayerNorm with weight and bias (the indexer's k_norm), fp32 math, bf16 out."""
-    def __init__(self, dim, eps):
-        super().__init__()
-        self.eps, self.weight, self.bias = eps, _param(dim, dtype=torch.float32), _param(dim, dtype=torch.float32)
-
-    def forward(self, x):
-        return F.layer_norm(x.float(), x.shape[-1:], self.weight, self.bias, self.eps).to(BF16)
-
 
 class Embedding(nn.Module):
     """Vocabulary-parallel: a rank holds vocab / ranks rows; tokens outside them add zeros to the all-reduce."""
@@ -665,7 +656,8 @@ class Indexer(nn.Module):
     def __init__(self, cfg: Config):
         super().__init__()
         self.cfg, self.wq_b = cfg, Linear(cfg.q_lora_rank, cfg.index_n_heads * cfg.index_head_dim)
-        self.wk, self.k_norm = Linear(cfg.dim, cfg.index_head_dim), LayerNorm(cfg.index_head_dim, cfg.eps)
+        self.wk = Linear(cfg.dim, cfg.index_head_dim)
+        self.k_norm = nn.LayerNorm(cfg.index_head_dim, cfg.eps).requires_grad_(False)    # fp32 weight and bias
         self.weights_proj = Linear(cfg.dim, cfg.index_n_heads, fp8=False, dtype=torch.float32)
 
     def forward(self, x, qr, cos, sin, meta: Meta, cache: LayerCache):
@@ -674,7 +666,7 @@ class Indexer(nn.Module):
         cfg, T, R = self.cfg, x.shape[0], self.cfg.qk_rope_head_dim
         quant = lambda t: self.ops.index_quant(  # noqa: E731   rope on the FIRST R dims, then Hadamard and FP8
             torch.cat([rope(t[..., :R], cos, sin, interleaved=False), t[..., R:]], -1))
-        k8, ks = quant(self.k_norm(self.wk(x)))          # [T, J] fp8, [T, 1]
+        k8, ks = quant(self.k_norm(self.wk(x).float()).to(BF16))                  # [T, J] fp8, [T, 1]
         cache.ik[meta.slots], cache.iks[meta.slots] = k8, ks[:, 0]
         if meta.dense(cfg.index_topk):                   # the whole context is selected: only the keys are needed
             return None
