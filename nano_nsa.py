@@ -341,9 +341,8 @@ def stored_dtype(name, kind):
 
 def save_random_checkpoint(path, config: Config, seed: int = 0, shard_bytes: int = 4 << 30, tokenizer=True,
                            device="cpu"):
-    """Write a random-weight DeepSeek-V3.2 checkpoint in exactly the official HF layout (config.json with
-    quantization_config, sharded safetensors + index json, FP8 weights with pow2 128x128 block scales). device:
-    where values are drawn ('cuda' writes a full-width checkpoint in a minute; other values, the same format)."""
+    """Write a random-weight DeepSeek-V3.2 checkpoint in the official HF layout (config.json, sharded safetensors and
+    index, FP8 weights with pow2 128x128 block scales). device: where values are drawn (cuda: others, same format)."""
     from safetensors.torch import save_file
     from tqdm import tqdm
     os.makedirs(path, exist_ok=True)
@@ -563,9 +562,8 @@ def to_device(x: torch.Tensor, device) -> torch.Tensor:
 
 @dataclass
 class Meta:
-    """Everything a forward pass needs to know about its batch; built once per step, shared by every layer.
-    mode 'prefill': rows are chunks of prompts; 'decode' / 'verify': every row is its own decode query with its
-    own causal length, one row per request or k+1 rows per request."""
+    """Everything a forward pass needs to know about its batch, built once per step, shared by every layer. mode
+    'prefill': rows are chunks of prompts; 'decode' / 'verify': each row is its own query (1 or k+1 per request)."""
     mode: str
     positions: torch.Tensor      # [T] absolute position of each row's token
     slots: torch.Tensor          # [T] KV-pool slot the row's token is written to
@@ -770,7 +768,7 @@ class Gate(nn.Module):
         s = F.linear(x.float(), self.weight.float()).sigmoid()                            # [T, E] fp32
         sb = (s + self.bias).view(T, cfg.n_expert_groups, -1)                             # [T, G, E/G]
         group_score = sb.topk(2, dim=-1).values.sum(-1)                                   # [T, G]
-        keep = group_score.topk(cfg.n_limited_groups, dim=-1).indices
+        keep = group_score.topk(cfg.n_limited_groups, dim=-1).indices                      # the kept groups
         drop = torch.ones_like(group_score, dtype=torch.bool).scatter_(1, keep, False)
         idx = sb.masked_fill(drop[..., None], float("-inf")).flatten(1).topk(cfg.n_activated_experts, -1).indices
         w = s.gather(1, idx)                                                               # [T, A]
@@ -1047,9 +1045,8 @@ USER, ASSISTANT, THINK, END_THINK = "<｜User｜>", "<｜Assistant｜>", "<think
 
 
 def encode_chat(messages, thinking=False) -> str:
-    """DeepSeek-V3.2 chat format: BOS, system text, then per user turn `<｜User｜>{c}<｜Assistant｜>` followed by
-    `<think>` (last user turn, thinking mode) or `</think>`; assistant turns end with EOS. Earlier reasoning is
-    dropped; the generation prompt ends after the last user turn."""
+    """DeepSeek-V3.2 chat format: BOS, system text, per user turn `<｜User｜>{c}<｜Assistant｜>` then `<think>` (the
+    last user turn, thinking mode) or `</think>`; assistant turns end with EOS; earlier reasoning is dropped."""
     last_user = max(i for i, m in enumerate(messages) if m["role"] == "user")
     out = BOS
     for i, m in enumerate(messages):
@@ -1365,8 +1362,7 @@ class LLM:
         """Prompt chunks, up to max_prefill_tokens rows in all, through the main model, then the MTP layer."""
         chunks, budget = [], self.max_prefill_tokens            # (request, first position, length)
         for r in reqs:
-            n = min(r.prefill_target - r.num_cached, budget)
-            if n <= 0:
+            if (n := min(r.prefill_target - r.num_cached, budget)) <= 0:
                 break
             chunks.append((r, r.num_cached, n))
             budget -= n
@@ -1402,8 +1398,7 @@ class LLM:
 
     def _draft(self, reqs, h):
         """k draft tokens per request, left on the device (r.draft [k]): the first from the MTP row that just ran at
-        position L-1 (hidden h), the rest from k-1 MTP decode steps, rows at L-1+j, each its own causal length.
-        Their metadata is built once and shifted per step (Meta.step), and their plans are shared where equal."""
+        position L-1 (hidden h), the rest from k-1 MTP decode steps at L-1+j, over one Meta shifted per step."""
         mtp, picks, meta = self.model.mtp, [], None                     # picks: (tokens [B], q) per draft step
         for j in range(self.k):
             if j > 0:
@@ -1468,9 +1463,8 @@ class LLM:
 
 
 def graph_buckets(max_bs, rows_per_req, tp=1):
-    """The batch sizes captured for a step of rows_per_req rows per request: 1, 2, 4, 8, then every 16, up to the
-    first size >= max_bs, keeping the sizes whose row count splits evenly over tp ranks (SGLang's rule, so that at
-    TP 8 a bs=1 verify of 4 rows pads to bs=2, 8 rows, not to bs=8, 32 rows)."""
+    """Batch sizes captured for rows_per_req rows per request: 1, 2, 4, 8, then every 16 up to the first >= max_bs,
+    those whose rows split evenly over tp ranks (SGLang's rule: at TP 8, bs=1 with 4 rows pads to bs=2, not 8)."""
     step = tp // math.gcd(tp, rows_per_req)                  # bs must be a multiple of this
     top = -(-max_bs // step) * step
     return [b for b in sorted({1, 2, 4, 8, *range(16, top, 16), top}) if b <= top and b % step == 0]
@@ -1478,10 +1472,9 @@ def graph_buckets(max_bs, rows_per_req, tp=1):
 
 class CudaGraphs:
     """The decode round's forward passes ('verify', 'extend', 'draft': see LLM._forward) as CUDA graphs, one per
-    batch-size bucket, as nano-vllm's runner. A replay copies the step's inputs and metadata into static buffers;
-    padding requests' rows write the dummy slot 0 and read one position. The attention plan (ops.plan: host work,
-    exact lengths) is made before each replay. The indexer's width is a shape too, so a graph is captured per context
-    bound as well: index_topk (every row selects its whole context) at start, the powers of two above on first use."""
+    batch-size bucket and context bound (the indexer's width is a shape: index_topk at start, powers of two above it
+    on first use). A replay copies the step's inputs into static buffers (padding rows write the dummy slot 0 and
+    read one position) after making the step's attention plan (ops.plan: host work, exact lengths)."""
     def __init__(self, llm):
         cfg, dev, k, t0 = llm.cfg, llm.device, llm.k, time.perf_counter()
         self.llm, self.rows = llm, dict(verify=k + 1, extend=k + 1, draft=1)
