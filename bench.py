@@ -102,10 +102,10 @@ def fp8(args, out):
         return w, torch.full((*shape[:-2], -(-shape[-2] // 128), shape[-1] // 128), 2.0 ** -7, device="cuda")
     rows, sm_rows = [], []
 
-    def measure(name, M, nbytes, fn, ref, ref_iters):       # graph, eager, torch reference -> one row; graph time
+    def measure(name, M, read, fn, ref, ref_iters):         # graph, eager, torch reference -> one row; graph time
         t, te = cuda_time(fn, graph=True), cuda_time(fn)
         t_ref = cuda_time(ref, 1, ref_iters)
-        rows.append((name, M, nbytes / 1e6, t * 1e3, te * 1e3, nbytes / t / 1e9 / bw, t_ref / te))
+        rows.append((name, M, read / 1e6, t * 1e3, te * 1e3, read / t / 1e9 / bw, t_ref / te))
         return t
     for name, (N, K) in dict(wq_a=(1536, 7168), wq_b=(24576, 1536), wkv_a=(576, 7168), wo=(7168, 16384),
                              dense_w1=(18432, 7168), dense_w2=(7168, 18432), indexer_wk=(128, 7168)).items():
@@ -120,8 +120,8 @@ def fp8(args, out):
         idx = torch.rand(M, 256, generator=gen, device="cuda").topk(8, -1).indices
         wts, x = torch.rand(M, 8, device="cuda"), torch.randn(M, 7168, device="cuda").to(m.BF16)
         touched = idx.unique().numel()
-        measure(f"moe ({touched} experts)", M, touched * (w13[0].numel() + w2[0].numel() + 4 * (s13[0].numel() +
-                s2[0].numel())), lambda: kernels.moe(x, wts, idx, w13, s13, w2, s2),
+        read = touched * (w13[0].numel() + w2[0].numel() + 4 * (s13[0].numel() + s2[0].numel()))
+        measure(f"moe ({touched} experts)", M, read, lambda: kernels.moe(x, wts, idx, w13, s13, w2, s2),
                 lambda: m.moe_experts(x, wts, idx, w13, s13, w2, s2), 3)
     table("torch blockwise scaled_mm (act-quant by the Triton kernel, scales in column-major) vs the Triton GEMM",
           ["kernel", "M", "Triton us (graph)", "scaled_mm us (graph)", "Triton speedup", "scaled_mm rel err / note"],
