@@ -833,8 +833,7 @@ class MTP(nn.Module):
         self.cfg, self.embed = cfg, Embedding(cfg.vocab_size, cfg.dim)
         self.enorm, self.hnorm = RMSNorm(cfg.dim, cfg.eps), RMSNorm(cfg.dim, cfg.eps)
         self.eh_proj = Linear(2 * cfg.dim, cfg.dim, fp8=False)            # bf16, unquantized in the checkpoint
-        self.block = Block(cfg, moe=True)
-        self.shared_head = nn.Module()
+        self.block, self.shared_head = Block(cfg, moe=True), nn.Module()
         self.shared_head.norm = RMSNorm(cfg.dim, cfg.eps)
         self.shared_head.head = Linear(cfg.dim, cfg.vocab_size, fp8=False, dtype=torch.float32, split="col")
 
