@@ -500,7 +500,6 @@ class RMSNorm(nn.Module):
         return y if residual is None else (y, x.to(BF16))
 
 
-
 class Embedding(nn.Module):
     """Vocabulary-parallel: a rank holds vocab / ranks rows; tokens outside them add zeros to the all-reduce."""
     def __init__(self, vocab, dim):
