@@ -29,37 +29,32 @@ def random_model(cfg: m.Config, device, seed=0, kernels="auto") -> m.Transformer
     FP8 quantization (not its values: the generator differs by device). For GPU benchmarks of full-width layers
     that no checkpoint on disk holds; the loader itself is exercised by `load_model`."""
     with torch.device("meta"):
-        model = m.Transformer(cfg)
-    model = model.to_empty(device=device).eval()
+        model = m.Transformer(cfg).to_empty(device=device).eval()
     params = dict(model.named_parameters())
     for name, (shape, kind) in m.checkpoint_tensors(cfg).items():
-        target = m.load_target(params, cfg, name)                  # None: another rank's expert (under torchrun)
-        if kind != "scale" and target is not None:
-            w = m.random_weight(name, shape, kind, seed, device)
-            if kind == "fp8":
-                w, scale = m.quantize_weight(w)
-                s = m.load_target(params, cfg, name + "_scale_inv")
-                s.copy_(scale[m.rank_slice(scale.shape, s.shape)])
-            w = w if kind == "fp8" else w.to(m.stored_dtype(name, kind))
-            target.copy_(w[m.rank_slice(w.shape, target.shape)])   # this rank's slice: the whole at one rank
+        if kind == "scale" or m.load_target(params, cfg, name) is None:    # None: another rank's expert (torchrun)
+            continue
+        w = m.random_weight(name, shape, kind, seed, device)
+        for n, t in zip((name, name + "_scale_inv"), m.quantize_weight(w) if kind == "fp8" else
+                        [w.to(m.stored_dtype(name, kind))]):
+            p = m.load_target(params, cfg, n)
+            p.copy_(t[m.rank_slice(t.shape, p.shape)])                 # this rank's slice: the whole at one rank
     return m._share_mtp_copies(model).bind(m.select_ops(kernels, device))
 
 
-def graph_time(fn, iters=20):
-    """Median milliseconds of fn() replayed from a CUDA graph: device time, with no Python launch overhead."""
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        fn()
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        fn()
-    return cuda_time(g.replay, 2, iters)
-
-
-def cuda_time(fn, warmup=3, iters=20):
-    """Median milliseconds of fn() by CUDA events after warm-up."""
+def cuda_time(fn, warmup=3, iters=20, graph=False):
+    """Median milliseconds of fn() by CUDA events after warm-up; graph=True: of fn() captured once in a CUDA graph
+    and replayed (device time, with no Python launch overhead)."""
+    if graph:
+        s = torch.cuda.Stream()
+        s.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(s):
+            fn()
+        torch.cuda.current_stream().wait_stream(s)
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            fn()
+        fn, warmup = g.replay, 2
     for _ in range(warmup):
         fn()
     times = []
@@ -89,12 +84,6 @@ def table(title, header, rows):
         print(" | ".join(f"{v:.3g}" if isinstance(v, float) else str(v) for v in r))
 
 
-def _rows(B, rows, ctx, S_extra=64):
-    """A verify-style Meta: B requests of ctx cached tokens, `rows` decode rows each, random page tables."""
-    table_ = torch.stack([torch.randperm(B * (ctx + rows) + S_extra, device="cuda")[:ctx + rows] for _ in range(B)])
-    return m.Meta.build("verify", [ctx] * B, [rows] * B, table_), B * (ctx + rows) + S_extra
-
-
 def hbm_bandwidth():
     """Device-to-device copy of 2 GiB, counting bytes read and written: the ceiling the kernels are held to."""
     a = torch.empty(1 << 31, dtype=torch.uint8, device="cuda")
@@ -113,28 +102,28 @@ def fp8(args, out):
             w[i:i + 16] = torch.randn(w[i:i + 16].shape, generator=gen, device="cuda").to(m.FP8)
         return w, torch.full((*shape[:-2], -(-shape[-2] // 128), shape[-1] // 128), 2.0 ** -7, device="cuda")
     rows, sm_rows = [], []
+
+    def measure(name, M, read, fn, ref, ref_iters):         # graph, eager, torch reference -> one row; graph time
+        t, te = cuda_time(fn, graph=True), cuda_time(fn)
+        t_ref = cuda_time(ref, 1, ref_iters)
+        rows.append((name, M, read / 1e6, t * 1e3, te * 1e3, read / t / 1e9 / bw, t_ref / te))
+        return t
     for name, (N, K) in dict(wq_a=(1536, 7168), wq_b=(24576, 1536), wkv_a=(576, 7168), wo=(7168, 16384),
                              dense_w1=(18432, 7168), dense_w2=(7168, 18432), indexer_wk=(128, 7168)).items():
         w, s = weight(N, K)
         for M in (1, 4, 16, 64):
             x = torch.randn(M, K, device="cuda").to(m.BF16)
-            t, te = graph_time(lambda: kernels.fp8_linear(x, w, s)), cuda_time(lambda: kernels.fp8_linear(x, w, s))
-            t_ref = cuda_time(lambda: m.fp8_linear(x, w, s), 1, 5)
-            nbytes = N * K + 4 * s.numel() + 2 * M * (K + N)
-            rows.append((name, M, nbytes / 1e6, t * 1e3, te * 1e3, nbytes / t / 1e9 / bw, t_ref / te))
+            t = measure(name, M, N * K + 4 * s.numel() + 2 * M * (K + N), lambda: kernels.fp8_linear(x, w, s),
+                        lambda: m.fp8_linear(x, w, s), 5)
             sm_rows.append((name, M, t * 1e3) + scaled_mm_time(x, w, s, t))
-    w13, s13 = weight(256, 4096, 7168)
-    w2, s2 = weight(256, 7168, 2048)
+    (w13, s13), (w2, s2) = weight(256, 4096, 7168), weight(256, 7168, 2048)
     for M in (1, 4, 16, 64):
         idx = torch.rand(M, 256, generator=gen, device="cuda").topk(8, -1).indices
-        wts = torch.rand(M, 8, device="cuda")
-        x = torch.randn(M, 7168, device="cuda").to(m.BF16)
+        wts, x = torch.rand(M, 8, device="cuda"), torch.randn(M, 7168, device="cuda").to(m.BF16)
         touched = idx.unique().numel()
-        t = graph_time(lambda: kernels.moe(x, wts, idx, w13, s13, w2, s2))
-        te = cuda_time(lambda: kernels.moe(x, wts, idx, w13, s13, w2, s2))
-        t_ref = cuda_time(lambda: m.moe_experts(x, wts, idx, w13, s13, w2, s2), 1, 3)
-        nbytes = touched * (w13[0].numel() + w2[0].numel() + 4 * (s13[0].numel() + s2[0].numel()))
-        rows.append((f"moe ({touched} experts)", M, nbytes / 1e6, t * 1e3, te * 1e3, nbytes / t / 1e9 / bw, t_ref / te))
+        read = touched * (w13[0].numel() + w2[0].numel() + 4 * (s13[0].numel() + s2[0].numel()))
+        measure(f"moe ({touched} experts)", M, read, lambda: kernels.moe(x, wts, idx, w13, s13, w2, s2),
+                lambda: m.moe_experts(x, wts, idx, w13, s13, w2, s2), 3)
     table("torch blockwise scaled_mm (act-quant by the Triton kernel, scales in column-major) vs the Triton GEMM",
           ["kernel", "M", "Triton us (graph)", "scaled_mm us (graph)", "Triton speedup", "scaled_mm rel err / note"],
           sm_rows)
@@ -152,7 +141,6 @@ def scaled_mm_time(x, w, s, t_triton):
     pad = -q.shape[0] % 16                                       # cuBLAS wants M in multiples of 16 here
     q, qs = torch.nn.functional.pad(q.view(torch.uint8), (0, 0, 0, pad)).view(m.FP8), \
         torch.nn.functional.pad(qs, (0, 0, 0, pad), value=1.0)
-    err = None
     for sb in (s, s.t(), s.t().contiguous(), s.t().contiguous().t()):     # the layout cuBLAS accepts, first found
         fn = lambda: scaled_mm(q, w.t(), qs.t().contiguous().t(), ScalingType.BlockWise1x128,  # noqa: E731
                                sb, ScalingType.BlockWise128x128, output_dtype=m.BF16)
@@ -163,14 +151,13 @@ def scaled_mm_time(x, w, s, t_triton):
             err = " ".join(str(e).split())[:90]
     else:
         return (float("nan"), float("nan"), err)
-    ref = m.fp8_linear(x, w, s).float()
-    t = graph_time(fn)
+    ref, t = m.fp8_linear(x, w, s).float(), cuda_time(fn, graph=True)
     return (t * 1e3, t / t_triton, f"{((y - ref).norm() / ref.norm()).item():.1e}")
 
 
 def decode_batch(llm, bs, ctx, rounds, seed=0):
-    """bs requests in the decode phase with ctx positions already in the KV cache (the cache holds random values:
-    a step's cost does not depend on them), so a step at 64 x 32K context is measured without 2M tokens of prefill."""
+    """bs requests in the decode phase with ctx positions already in the KV cache (random values: a step's cost does
+    not depend on them), so a step at 64 x 32K context is measured without 2M tokens of prefill."""
     g = torch.Generator().manual_seed(seed)
     llm.waiting, llm.running, llm.on_tokens, llm.return_logits, llm.preemptions = [], [], None, False, 0
     for i in range(bs):
@@ -203,37 +190,32 @@ def nbytes(*mods):
     return sum(t.numel() * t.element_size() for mod in mods for t in mod.parameters())
 
 
-def step_bytes(model, bs, rows, ctx, experts):
-    """Bytes a forward must read from HBM: every weight it uses once (routed experts: the distinct ones its tokens
-    chose, `experts` per MoE layer), and per request its KV: the top-k latent rows (576 bf16) and, beyond top-k,
-    the indexer keys of the whole context (128 FP8 + fp32 scale). -> bytes of model.layers."""
-    cfg, K = model.cfg, model.cfg.index_topk
+def step_bytes(cfg, layers, bs, rows, ctx, experts):
+    """Bytes a forward through `layers` must read from HBM: every weight it uses once (routed experts: the distinct
+    ones its tokens chose, `experts` per MoE layer), and per request its KV: the top-k latent rows (576 bf16) and,
+    beyond top-k, the indexer keys of the whole context (128 FP8 + fp32 scale)."""
+    K = cfg.index_topk
     kv = bs * (min(ctx + rows, K) * (cfg.kv_lora_rank + cfg.qk_rope_head_dim) * 2 +
                (ctx + rows) * (cfg.index_head_dim + 4) * (ctx + rows > K))
-    total, moe = 0, iter(experts)
-    for layer in model.layers:
-        attn = layer.attn
+    total, seen = 0, iter(experts)
+    for layer in layers:
+        attn, ffn = layer.attn, layer.ffn
         total += nbytes(attn) - nbytes(attn.wkv_b) + attn.wkv_b_abs.numel() * 2 + kv
-        if isinstance(layer.ffn, m.MoE):
-            ex = layer.ffn.experts
-            total += nbytes(layer.ffn.gate, layer.ffn.shared_experts) + nbytes(ex) // cfg.n_routed_experts * next(moe)
-        else:
-            total += nbytes(layer.ffn)
+        total += nbytes(ffn.gate, ffn.shared_experts) + nbytes(ffn.experts) // cfg.n_routed_experts * next(seen) \
+            if isinstance(ffn, m.MoE) else nbytes(ffn)
     return total
 
 
 def distinct_experts(model, fn):
     """Run fn() eagerly and return the number of distinct routed experts of each MoE call, in order."""
-    seen, orig = [], m.MoE.forward
-
-    def forward(self, x):
-        seen.append(int(self.gate(x)[1].unique().numel()))
-        return orig(self, x)
-    m.MoE.forward = forward
+    seen = []
+    hooks = [g.register_forward_hook(lambda g, x, out: seen.append(int(out[1].unique().numel())))
+             for g in model.modules() if isinstance(g, m.Gate)]
     try:
         fn()
     finally:
-        m.MoE.forward = orig
+        for h in hooks:
+            h.remove()
     return seen
 
 
@@ -242,15 +224,10 @@ def decode(args, out):
     GPU): tokens/s and round time at batch 1..64 and contexts 1K / 32K (128K at batch 1), MTP off and on, against
     the memory-bandwidth roofline measured in the same run; CUDA graphs vs eager; verify rows vs a decode row;
     metadata once per step vs per layer."""
-    import kernels
-    bw = hbm_bandwidth() * 1e12
-    cfg = m.Config.full(n_layers=args.layers)
-    t0 = time.perf_counter()
+    bw, cfg, t0 = hbm_bandwidth() * 1e12, m.Config.full(n_layers=args.layers), time.perf_counter()
     model = random_model(cfg, "cuda")
-    t_build = time.perf_counter() - t0
-    tok_dir = tempfile.mkdtemp()
+    t_build, tok_dir = time.perf_counter() - t0, tempfile.mkdtemp()
     m.write_byte_tokenizer(tok_dir, cfg.vocab_size)
-    L = cfg.n_layers + cfg.n_mtp_layers
     print(f"Config.full(n_layers={args.layers}) + MTP built in {t_build:.0f} s; HBM copy {bw / 1e12:.2f} TB/s; "
           f"KV {m.KVCache.bytes_per_token(cfg)} B/token", flush=True)
     res, extra = [], {}
@@ -274,16 +251,13 @@ def decode(args, out):
             tokens = torch.randint(6, cfg.vocab_size, (bs * (k + 1),), device="cuda")
             h = model(tokens, meta, llm.cache)
             seen = distinct_experts(model, lambda: model(tokens, meta, llm.cache))
-            layers_b, head_b = step_bytes(model, bs, k + 1, ctx, seen), nbytes(model.head)
-            mtp_b = 0
+            layers_b, head_b, mtp_b = step_bytes(cfg, model.layers, bs, k + 1, ctx, seen), nbytes(model.head), 0
             if k:                      # draft-extend (bs x (k+1) rows) + k-1 draft steps (bs rows): MTP layer + head
-                d_meta = llm._meta("decode", reqs, [ctx + 1] * bs, 1)
+                d_meta, mtp = llm._meta("decode", reqs, [ctx + 1] * bs, 1), model.mtp[0]
                 ext = distinct_experts(model, lambda: model.mtp_forward(tokens, h, meta, llm.cache))
                 drf = distinct_experts(model, lambda: model.mtp_forward(tokens[:bs], h[:bs], d_meta, llm.cache))
-                mtp_layer = model.mtp[0]
-                mtp_b = (step_bytes(SimpleNamespace(cfg=cfg, layers=[mtp_layer.block]), bs, k + 1, ctx, ext) +
-                         (k - 1) * step_bytes(SimpleNamespace(cfg=cfg, layers=[mtp_layer.block]), bs, 1, ctx, drf)
-                         + k * (nbytes(mtp_layer.eh_proj) + head_b))
+                mtp_b = step_bytes(cfg, [mtp.block], bs, k + 1, ctx, ext) + (k - 1) * step_bytes(
+                    cfg, [mtp.block], bs, 1, ctx, drf) + k * (nbytes(mtp.eh_proj) + head_b)
             key = ("verify", next(b for b in llm.graphs.buckets["verify"] if b >= bs), llm.graphs.width(ctx + k + 1), 0)
             llm._forward("verify", tokens, meta)               # plan + static buffers for this step, then replay alone
             t_layers = cuda_time(llm.graphs.graphs[key][0].replay)
@@ -307,10 +281,10 @@ def decode(args, out):
         extra[f"eager_vs_graphs_mtp{k}"] = dict(eager_ms=eager_ms, graphs_ms=res[[r["mtp"] for r in res].index(k)]
                                                 ["round_ms"], capture_s=t_capture, graphs=len(graphs.graphs))
         if k == max(args.mtp):
-            extra["metadata"] = metadata_cost(llm, cfg, k, max(args.batch), max(c for b, c in points
-                                                                                    if b == max(args.batch)))
+            big = max(args.batch)
+            extra["metadata"] = metadata_cost(llm, cfg, k, big, max(c for b, c in points if b == big))
         llm.cfg.eos_token_id = eos
-        del llm, graphs
+        llm = graphs = None                                    # (the engine and its graphs hold each other)
         gc.collect()
     table(f"Decode rounds, Config.full(n_layers={args.layers}) + MTP layer, CUDA graphs; roofline = bytes the round "
           f"must read / measured HBM bandwidth ({bw / 1e12:.2f} TB/s) / round time",
@@ -320,8 +294,7 @@ def decode(args, out):
     table("CUDA graphs vs eager (bs=1)", ["what", "eager ms", "graphs ms", "capture s", "graphs"],
           [(k_, *v.values()) for k_, v in extra.items() if k_.startswith("eager")])
     verify_attention(out)
-    extra["peak_gib"], extra["kv_bytes_per_token"] = torch.cuda.max_memory_allocated() / 2**30, \
-        m.KVCache.bytes_per_token(cfg)
+    extra.update(peak_gib=torch.cuda.max_memory_allocated() / 2**30, kv_bytes_per_token=m.KVCache.bytes_per_token(cfg))
     print(f"peak GPU memory {extra['peak_gib']:.1f} GiB, KV {extra['kv_bytes_per_token']} B/token")
     out["decode"], out["decode_extra"] = res, extra
 
@@ -335,22 +308,17 @@ def verify_attention(out):
     H, C, R, D, V, K = cfg.n_heads, cfg.kv_lora_rank, cfg.qk_rope_head_dim, cfg.qk_nope_head_dim, cfg.v_head_dim, \
         cfg.index_topk
     for ctx in (4096, 32768):
-        meta, S = _rows(1, 4, ctx)
+        S = ctx + 4 + 64                                    # one request, 4 verify rows, a random page table
+        meta = m.Meta.build("verify", [ctx], [4], torch.randperm(S, device="cuda")[None, :ctx + 4])
         cache = m.LayerCache(torch.randn(S, C + R, device="cuda").to(m.BF16), torch.zeros(S, 128, device="cuda").to(
             m.FP8), torch.ones(S, device="cuda"), C)
         meta.plan = kernels.plan(meta, cfg)
-        sel = torch.stack([torch.randperm(ctx, device="cuda")[:K] for _ in range(4)])
-        slots = meta.table[0][sel]
+        slots = meta.table[0][torch.stack([torch.randperm(ctx, device="cuda")[:K] for _ in range(4)])]   # top-k each
         q_abs, q_pe = torch.randn(4, H, C, device="cuda").to(m.BF16), torch.randn(4, H, R, device="cuda").to(m.BF16)
         t_dec = cuda_time(lambda: kernels.sparse_mla(q_abs, q_pe, cache, slots, meta, cfg.softmax_scale))
         w = (torch.randn(H, D + V, C, device="cuda") * 0.05).to(m.BF16)
-        q, ctx_slots = torch.randn(4, H, D + R, device="cuda").to(m.BF16), meta.table[0, :ctx + 4]
-
-        def prefill_style():
-            kvf = torch.einsum("nc,hec->nhe", cache.kv[ctx_slots], w)
-            k = torch.cat([kvf[..., :D], cache.pe[ctx_slots][:, None, :].expand(-1, H, -1)], -1)
-            return kernels.dense_attention(q, k, kvf[..., D:], cfg.softmax_scale)
-        t_pre = cuda_time(prefill_style)
+        q_nope, mla = torch.randn(4, H, D, device="cuda").to(m.BF16), SimpleNamespace(cfg=cfg, ops=kernels)
+        t_pre = cuda_time(lambda: m.MLA.attend_dense(mla, q_nope, q_pe, w, meta.table[0, :ctx + 4], cache))  # as MLA
         res.append(dict(ctx=ctx, decode_rows_ms=t_dec, prefill_style_ms=t_pre, ratio=t_pre / t_dec))
     table("Verify attention, 4 rows, one layer: decode rows (sparse, top-k each) vs prefill-style (one causal chunk, "
           "per-head form, whole context)", ["ctx", "decode rows ms", "prefill-style ms", "prefill / decode"],
@@ -372,11 +340,11 @@ def kernel_events(fn):
 def profile_replay(fn, n_layers, top=12):
     """Kernels of one replay of a graph by total device time: where a step's time goes."""
     ev = kernel_events(fn)
-    total = sum(e.device_time_total for e in ev)
+    n, ms = sum(e.count for e in ev), sum(e.device_time_total for e in ev) / 1e3
     rows = sorted(((e.key[:60], e.count, e.device_time_total / 1e3) for e in ev), key=lambda r: -r[2])[:top]
-    table(f"One replay of the bs=1 verify graph ({n_layers} layers): {sum(e.count for e in ev)} kernels, "
-          f"{total / 1e3:.3f} ms of kernel time", ["kernel", "launches", "ms"], rows)
-    return dict(kernels=sum(e.count for e in ev), kernel_ms=total / 1e3, top=rows)
+    table(f"One replay of the bs=1 verify graph ({n_layers} layers): {n} kernels, {ms:.3f} ms of kernel time",
+          ["kernel", "launches", "ms"], rows)
+    return dict(kernels=n, kernel_ms=ms, top=rows)
 
 
 def metadata_cost(llm, cfg, k, big_bs, ctx):
@@ -401,11 +369,10 @@ def metadata_cost(llm, cfg, k, big_bs, ctx):
         launches = sum(e.count for e in prof.key_averages() if e.device_type.name == "CUDA")
         for r in reqs:
             llm._release(r)
-        layers = cfg.n_layers + 1
-        once = 2 * t_build + max(k - 2, 0) * t_step      # verify (extend reuses it), first draft step, then shifts
-        per_layer = layers * t_build + (k - 1) * t_build
-        res[f"bs{bs}"] = dict(build_ms=t_build, shift_ms=t_step, kernels=launches, once_ms=once,
-                              per_layer_ms=per_layer, per_layer_61_ms=62 * t_build + (k - 1) * t_build)
+        # once: verify (extend reuses it), the first draft step, then shifts; per layer: every layer and draft step
+        res[f"bs{bs}"] = dict(build_ms=t_build, shift_ms=t_step, kernels=launches,
+                              once_ms=2 * t_build + max(k - 2, 0) * t_step,
+                              per_layer_ms=(cfg.n_layers + 1 + k - 1) * t_build, per_layer_61_ms=(62 + k - 1) * t_build)
     table(f"Metadata per decode round (mtp={k}, {ctx} context): once per step vs per layer and per draft step",
           ["bs", "build+plan ms", "shift ms", "kernels", "once/round ms", f"per layer ms ({cfg.n_layers}+1 layers)",
            "per layer ms (61+1 layers)"], [(b, *v.values()) for b, v in res.items()])
@@ -418,20 +385,18 @@ def hf_loadable(path):
     tell HF not to convert them. Every other tensor stays as written."""
     from safetensors.torch import load_file, save_file
     index = os.path.join(path, "model.safetensors.index.json")
-    with open(index) as f:
-        idx = json.load(f)
+    idx = m.read_json(index)
     for shard in sorted({f for n, f in idx["weight_map"].items() if n.endswith("kv_a_proj_with_mqa.weight")}):
         ts = load_file(os.path.join(path, shard))
         for n in [n for n in ts if n.endswith("kv_a_proj_with_mqa.weight")]:
             ts[n] = m.weight_dequant(ts[n], ts.pop(n + "_scale_inv")).to(m.BF16)
             del idx["weight_map"][n + "_scale_inv"]
         save_file(ts, os.path.join(path, shard), metadata={"format": "pt"})
-    with open(index, "w") as f:
-        json.dump(idx, f)
     hf = m.read_json(os.path.join(path, "config.json"))
     hf["quantization_config"]["modules_to_not_convert"] = ["kv_a_proj_with_mqa"]
-    with open(os.path.join(path, "config.json"), "w") as f:
-        json.dump(hf, f)
+    for file, obj in ((index, idx), (os.path.join(path, "config.json"), hf)):
+        with open(file, "w") as f:
+            json.dump(obj, f)
 
 
 def baseline(args, out):
@@ -467,12 +432,12 @@ def baseline(args, out):
             hf.generate(ids, **{**kw, "max_new_tokens": 2, "min_new_tokens": 2})
             torch.cuda.synchronize()
             t0 = time.perf_counter()
-            theirs = hf.generate(ids, **kw)[:, ids.shape[1]:].tolist()
-            torch.cuda.synchronize()
+            theirs = hf.generate(ids, **kw)[:, ids.shape[1]:].tolist()      # (tolist waits for the GPU)
             hf_tok_s = bs * N / (time.perf_counter() - t0)
             agree = [next((i for i, (a, b) in enumerate(zip(x, y)) if a != b), N) for x, y in zip(ours[bs][0], theirs)]
-            res.append(dict(model=name, bs=bs, hf_tok_s=hf_tok_s, ours_tok_s=ours[bs][1], speedup=ours[bs][1] / hf_tok_s,
-                            leading_equal=f"{statistics.mean(agree):.1f}/{N}", all_equal=sum(a == N for a in agree)))
+            res.append(dict(model=name, bs=bs, hf_tok_s=hf_tok_s, ours_tok_s=ours[bs][1],
+                            speedup=ours[bs][1] / hf_tok_s, leading_equal=f"{statistics.mean(agree):.1f}/{N}",
+                            all_equal=sum(a == N for a in agree)))
             print(res[-1], flush=True)
         del hf
         torch.cuda.empty_cache()

@@ -1,12 +1,11 @@
 """nano-nsa: DeepSeek-V3.2 inference in one readable file.
 
-Part 1, the model (read top to bottom): Config -> checkpoint format and random-checkpoint writer -> building
-blocks (FP8 linear, RMSNorm, YaRN RoPE, Hadamard) -> forward metadata -> lightning indexer -> MLA (per-head
-prefill form, absorbed decode form) -> MoE -> Block -> MTP layer -> Transformer -> KV cache -> loader.
-It computes what DeepSeek's official `inference/model.py` computes (../shared/docs/dsv32_spec.md is the
-specification); where it deliberately differs, a one-line comment says why.
+Part 1, the model (read top to bottom): Config -> checkpoint format -> tensor parallelism -> building blocks (FP8
+linear, norms, YaRN RoPE, Hadamard) -> forward metadata -> lightning indexer -> MLA -> MoE -> Block, MTP layer,
+Transformer, KV cache -> loader. It computes what DeepSeek's official `inference/model.py` computes
+(../shared/docs/dsv32_spec.md is the specification); where it deliberately differs, a comment says why.
 Part 2, the engine: tokenizer and chat encoding, sampling and speculative acceptance, the engine (paged KV pool,
-continuous batching, chunked prefill, the MTP speculative loop), the CLI.
+continuous batching, chunked prefill, the MTP speculative loop), CUDA graphs, the CLI.
 
 Dimension legend used in shape comments:
   T tokens (rows) in the forward pass   B requests in the batch   N context positions of a request
@@ -16,6 +15,7 @@ Dimension legend used in shape comments:
 """
 from __future__ import annotations
 
+import argparse
 import json
 import math
 import os
@@ -39,19 +39,21 @@ FP8_MAX = 448.0
 BF16 = torch.bfloat16
 
 
-# ------------------------------------------------------------------------------------------------------------
-# Config, and the checks that give every fault in a user value or a model file one ValueError line naming it
-# ------------------------------------------------------------------------------------------------------------
+# ---- Config, and the checks that give every fault in a user value or a model file one ValueError line ----------
 def _is_num(v, integer=False):         # finite (not nan, inf, or beyond the float range), never a bool
     return isinstance(v, Integral if integer else Real) and not isinstance(v, bool) and abs(v) <= sys.float_info.max
+
+
+def require(ok, message):
+    if not ok:
+        raise ValueError(message)
 
 
 def check_arg(name, value, kind, low=None, high=None, open_low=False):
     """A `kind` value (int, float: finite, or bool) in [low, high] ((low, high] if open_low), else a ValueError."""
     what, ok = {int: ("an integer", _is_num(value, True)), float: ("a finite number", _is_num(value)),
                 bool: ("True or False", isinstance(value, bool))}[kind]
-    if not ok:
-        raise ValueError(f"{name} must be {what} (got {value!r:.80})")
+    require(ok, f"{name} must be {what} (got {value!r:.80})")
     if low is not None and (value < low or open_low and value == low) or high is not None and value > high:
         rule = f"{'>' if open_low else '>='} {low}" if high is None else f"in {'(' if open_low else '['}{low}, {high}]"
         raise ValueError(f"{name} must be {rule} (got {value!r})")
@@ -64,8 +66,7 @@ def read_json(path):
             obj = json.load(f)
     except (OSError, ValueError) as e:                  # ValueError: bad JSON or not UTF-8
         raise ValueError(f"{path}: {'cannot read' if isinstance(e, OSError) else 'not valid JSON'} ({e})") from None
-    if not isinstance(obj, dict):
-        raise ValueError(f"{path}: expected a JSON object, not {type(obj).__name__}")
+    require(isinstance(obj, dict), f"{path}: expected a JSON object, not {type(obj).__name__}")
     return obj
 
 
@@ -104,10 +105,20 @@ class Config:
     eps: float = 1e-6                # rms_norm_eps (also the indexer LayerNorm eps)
     bos_token_id: int = 0
     eos_token_id: int = 1
+    # lower bounds other than integers >= 1 and floats > 0; HF config.json name -> our name (the names that differ)
+    LOW = dict(n_dense_layers=0, n_mtp_layers=0, bos_token_id=0, eos_token_id=0, rope_theta=1.0, mscale=-math.inf)
+    HF_NAMES = dict(hidden_size="dim", intermediate_size="inter_dim", moe_intermediate_size="moe_inter_dim",
+                    num_hidden_layers="n_layers", first_k_dense_replace="n_dense_layers",
+                    num_nextn_predict_layers="n_mtp_layers", num_attention_heads="n_heads",
+                    num_experts_per_tok="n_activated_experts", n_group="n_expert_groups",
+                    topk_group="n_limited_groups", routed_scaling_factor="route_scale",
+                    max_position_embeddings="max_seq_len", rms_norm_eps="eps")
+    ROPE_NAMES = dict(factor="rope_factor", original_max_position_embeddings="original_seq_len",
+                      beta_fast="beta_fast", beta_slow="beta_slow", mscale="mscale")
 
     def __post_init__(self):
         """Refuse (one-line ValueError) what the layers cannot run: wrong types or signs first, then shapes."""
-        for f in fields(self):                     # integers >= 1 and floats > 0, unless LOW says otherwise
+        for f in fields(self):
             kind = int if f.type in ("int", int) else float
             check_arg(self.label(f.name), getattr(self, f.name), kind, self.LOW.get(f.name, 1 if kind is int else 0),
                       open_low=kind is float)
@@ -124,9 +135,8 @@ class Config:
                  (max(self.bos_token_id, self.eos_token_id) < self.vocab_size, "bos/eos_token_id >= vocab_size")]
         rules += [(getattr(self, n) % BLOCK == 0, f"{self.label(n)} must be a multiple of {BLOCK} (FP8 activation "
                    f"groups)") for n in ("dim", "q_lora_rank", "kv_lora_rank", "inter_dim", "moe_inter_dim")]
-        why = next((why for ok, why in rules if not ok), None)
-        if why:
-            raise ValueError(why)
+        for ok, why in rules:
+            require(ok, why)
 
     def check_tp(self, n):
         """Refuse a tensor-parallel size n (ranks) that would split a head, an expert or the vocabulary unevenly, or
@@ -140,20 +150,15 @@ class Config:
                  ("shared expert width (moe_inter_dim * n_shared_experts)", self.moe_inter_dim * self.n_shared_experts,
                   n * BLOCK)]
         for what, v, d in rules:
-            if v % d:
-                raise ValueError(f"tensor parallel size {n}: {what} = {v} must be a multiple of {d}"
-                                 + (f" (whole {BLOCK}-wide FP8 blocks per rank)" if d > n else ""))
-
-    LOW = dict(n_dense_layers=0, n_mtp_layers=0, bos_token_id=0, eos_token_id=0, rope_theta=1.0, mscale=-math.inf)
+            require(v % d == 0, f"tensor parallel size {n}: {what} = {v} must be a multiple of {d}"
+                    + (f" (whole {BLOCK}-wide FP8 blocks per rank)" if d > n else ""))
 
     @classmethod
     def label(cls, name):                      # our field name, and the config.json one where it differs
         hf = {v: k for k, v in cls.HF_NAMES.items()} | {v: f"rope_scaling.{k}" for k, v in cls.ROPE_NAMES.items()}
         return f"{name} ({hf[name]})" if hf.get(name, name) != name else name
 
-    @property
-    def qk_head_dim(self):
-        return self.qk_nope_head_dim + self.qk_rope_head_dim
+    qk_head_dim = property(lambda self: self.qk_nope_head_dim + self.qk_rope_head_dim)
 
     @property
     def softmax_scale(self):
@@ -161,41 +166,25 @@ class Config:
         m = 0.1 * self.mscale * math.log(self.rope_factor) + 1.0
         return self.qk_head_dim ** -0.5 * m * m
 
-    # HF config.json name -> our name (only the names that differ)
-    HF_NAMES = dict(hidden_size="dim", intermediate_size="inter_dim", moe_intermediate_size="moe_inter_dim",
-                    num_hidden_layers="n_layers", first_k_dense_replace="n_dense_layers",
-                    num_nextn_predict_layers="n_mtp_layers", num_attention_heads="n_heads",
-                    num_experts_per_tok="n_activated_experts", n_group="n_expert_groups",
-                    topk_group="n_limited_groups", routed_scaling_factor="route_scale",
-                    max_position_embeddings="max_seq_len", rms_norm_eps="eps")
-    ROPE_NAMES = dict(factor="rope_factor", original_max_position_embeddings="original_seq_len",
-                      beta_fast="beta_fast", beta_slow="beta_slow", mscale="mscale")
-
     @classmethod
     def from_json(cls, path):
         """Build from an HF DeepSeek-V3.2 `config.json` (a file or the directory holding it)."""
-        if os.path.isdir(path):
-            path = os.path.join(path, "config.json")
-        if not os.path.isfile(path):
-            raise ValueError(f"no config.json at {path}")
+        path = os.path.join(path, "config.json") if os.path.isdir(path) else path
+        require(os.path.isfile(path), f"no config.json at {path}")
         hf = read_json(path)
         arch, q, rope = hf.get("architectures"), hf.get("quantization_config", {}), hf.get("rope_scaling") or {}
         if hf.get("model_type") != "deepseek_v32" and not (isinstance(arch, list) and "DeepseekV32ForCausalLM" in arch):
             raise ValueError(f"{path} is not a DeepSeek-V3.2 config (model_type={hf.get('model_type')!r})")
         if not isinstance(q, dict) or not isinstance(rope, dict):
             raise ValueError(f"{path}: quantization_config and rope_scaling must be JSON objects")
-        want = dict(scoring_func="sigmoid", topk_method="noaux_tc", hidden_act="silu", norm_topk_prob=True,
-                    tie_word_embeddings=False)
-        for k, v in want.items():
-            if k in hf and hf[k] != v:
-                raise ValueError(f"{path}: {k}={hf[k]!r} is not supported (DeepSeek-V3.2 uses {v!r})")
-        if q.get("quant_method") != "fp8" or q.get("fmt", "e4m3") != "e4m3" or \
-                q.get("weight_block_size") != [BLOCK, BLOCK]:
-            raise ValueError(f"{path}: expected quantization_config fp8 e4m3 with weight_block_size [128, 128]")
+        for k, v in dict(scoring_func="sigmoid", topk_method="noaux_tc", hidden_act="silu", norm_topk_prob=True,
+                         tie_word_embeddings=False).items():
+            require(k not in hf or hf[k] == v, f"{path}: {k}={hf.get(k)!r} is not supported (DeepSeek-V3.2 uses {v!r})")
+        require(q.get("quant_method") == "fp8" and q.get("fmt", "e4m3") == "e4m3" and q.get("weight_block_size") ==
+                [BLOCK, BLOCK], f"{path}: expected quantization_config fp8 e4m3 with weight_block_size [128, 128]")
         if q.get("scale_fmt", "ue8m0") != "ue8m0":     # activation scales are powers of two (ue8m0) here
             raise ValueError(f"{path}: scale_fmt {q['scale_fmt']!r} is not supported (DeepSeek-V3.2 uses 'ue8m0')")
-        if rope.get("type", rope.get("rope_type")) != "yarn":
-            raise ValueError(f"{path}: expected rope_scaling of type yarn")
+        require(rope.get("type", rope.get("rope_type")) == "yarn", f"{path}: expected rope_scaling of type yarn")
         names = {f.name for f in fields(cls)}
         kw = {cls.HF_NAMES.get(k, k): v for k, v in hf.items() if cls.HF_NAMES.get(k, k) in names}
         kw.update({ours: rope[k] for k, ours in cls.ROPE_NAMES.items() if k in rope})
@@ -207,20 +196,17 @@ class Config:
     def to_hf(self):
         """The HF config.json dict, in the official checkpoint's layout."""
         inv = {v: k for k, v in self.HF_NAMES.items()}
-        rope_keys = set(self.ROPE_NAMES.values())
-        hf = dict(architectures=["DeepseekV32ForCausalLM"], model_type="deepseek_v32",
-                  transformers_version="4.44.2", num_key_value_heads=self.n_heads, attention_bias=False,
-                  attention_dropout=0.0, moe_layer_freq=1, scoring_func="sigmoid", topk_method="noaux_tc",
-                  norm_topk_prob=True, ep_size=1, hidden_act="silu", initializer_range=0.02,
-                  tie_word_embeddings=False, torch_dtype="bfloat16", use_cache=True)
-        for f in fields(self):
-            if f.name not in rope_keys:
-                hf[inv.get(f.name, f.name)] = getattr(self, f.name)
-        hf["rope_scaling"] = dict(type="yarn", mscale_all_dim=self.mscale,
-                                  **{k: getattr(self, ours) for k, ours in self.ROPE_NAMES.items()})
-        hf["quantization_config"] = dict(quant_method="fp8", fmt="e4m3", activation_scheme="dynamic",
-                                         weight_block_size=[BLOCK, BLOCK], scale_fmt="ue8m0")
-        return hf
+        return dict(architectures=["DeepseekV32ForCausalLM"], model_type="deepseek_v32",
+                    transformers_version="4.44.2", num_key_value_heads=self.n_heads, attention_bias=False,
+                    attention_dropout=0.0, moe_layer_freq=1, scoring_func="sigmoid", topk_method="noaux_tc",
+                    norm_topk_prob=True, ep_size=1, hidden_act="silu", initializer_range=0.02,
+                    tie_word_embeddings=False, torch_dtype="bfloat16", use_cache=True,
+                    **{inv.get(f.name, f.name): getattr(self, f.name) for f in fields(self)
+                       if f.name not in self.ROPE_NAMES.values()},
+                    rope_scaling=dict(type="yarn", mscale_all_dim=self.mscale,
+                                      **{k: getattr(self, ours) for k, ours in self.ROPE_NAMES.items()}),
+                    quantization_config=dict(quant_method="fp8", fmt="e4m3", activation_scheme="dynamic",
+                                             weight_block_size=[BLOCK, BLOCK], scale_fmt="ue8m0"))
 
     @classmethod
     def full(cls, n_layers=61):
@@ -230,68 +216,50 @@ class Config:
     @classmethod
     def tiny(cls, **kw):
         """A few layers (first one dense), 8 experts in 4 groups, small dims, index_topk=32: for CPU tests."""
-        base = dict(vocab_size=288, dim=256, inter_dim=512, moe_inter_dim=128, n_layers=3, n_dense_layers=1,
-                    n_heads=4, n_routed_experts=8, n_activated_experts=2, n_expert_groups=4, n_limited_groups=2,
-                    q_lora_rank=128, kv_lora_rank=256, qk_nope_head_dim=32, v_head_dim=32, index_n_heads=4,
-                    index_topk=32)
-        return cls(**{**base, **kw})
+        return cls(**{**dict(vocab_size=288, dim=256, inter_dim=512, moe_inter_dim=128, n_layers=3, n_dense_layers=1,
+                             n_heads=4, n_routed_experts=8, n_activated_experts=2, n_expert_groups=4,
+                             n_limited_groups=2, q_lora_rank=128, kv_lora_rank=256, qk_nope_head_dim=32,
+                             v_head_dim=32, index_n_heads=4, index_topk=32), **kw})
 
 
-# ------------------------------------------------------------------------------------------------------------
-# Checkpoint format: the official HF names, shapes and dtypes (spec section 2)
-# ------------------------------------------------------------------------------------------------------------
+# ---- Checkpoint format: the official HF names, shapes and dtypes (spec section 2) --------------------------------
 # kinds: "fp8" = float8_e4m3fn weight + float32 `weight_scale_inv` per 128x128 block; "bf16" = plain bf16 matrix;
 # "norm" = norm weight (bf16, or fp32 in some conversions); "f32" = fp32 vector (router bias).
 ALLOWED_DTYPES = {"fp8": (FP8,), "scale": (torch.float32,), "bf16": (BF16,), "norm": (BF16, torch.float32),
                   "f32": (torch.float32,)}
 
 
-def _layer_tensors(cfg: Config, i: int, moe: bool):
-    p = f"model.layers.{i}."
-    H, q_dim = cfg.n_heads, cfg.n_heads * cfg.qk_head_dim
-    t = {p + "input_layernorm.weight": ([cfg.dim], "norm"),
-         p + "self_attn.q_a_proj.weight": ([cfg.q_lora_rank, cfg.dim], "fp8"),
-         p + "self_attn.q_a_layernorm.weight": ([cfg.q_lora_rank], "norm"),
-         p + "self_attn.q_b_proj.weight": ([q_dim, cfg.q_lora_rank], "fp8"),
-         p + "self_attn.kv_a_proj_with_mqa.weight": ([cfg.kv_lora_rank + cfg.qk_rope_head_dim, cfg.dim], "fp8"),
-         p + "self_attn.kv_a_layernorm.weight": ([cfg.kv_lora_rank], "norm"),
-         p + "self_attn.kv_b_proj.weight": ([H * (cfg.qk_nope_head_dim + cfg.v_head_dim), cfg.kv_lora_rank], "fp8"),
-         p + "self_attn.o_proj.weight": ([cfg.dim, H * cfg.v_head_dim], "fp8"),
-         p + "self_attn.indexer.wq_b.weight": ([cfg.index_n_heads * cfg.index_head_dim, cfg.q_lora_rank], "fp8"),
-         p + "self_attn.indexer.wk.weight": ([cfg.index_head_dim, cfg.dim], "fp8"),
-         p + "self_attn.indexer.k_norm.weight": ([cfg.index_head_dim], "norm"),
-         p + "self_attn.indexer.k_norm.bias": ([cfg.index_head_dim], "norm"),
-         p + "self_attn.indexer.weights_proj.weight": ([cfg.index_n_heads, cfg.dim], "bf16"),
-         p + "post_attention_layernorm.weight": ([cfg.dim], "norm")}
-    mlps = {}
-    if moe:
-        t[p + "mlp.gate.weight"] = ([cfg.n_routed_experts, cfg.dim], "bf16")
-        t[p + "mlp.gate.e_score_correction_bias"] = ([cfg.n_routed_experts], "f32")
-        mlps.update({f"mlp.experts.{e}.": cfg.moe_inter_dim for e in range(cfg.n_routed_experts)})
-        mlps["mlp.shared_experts."] = cfg.moe_inter_dim * cfg.n_shared_experts
-    else:
-        mlps["mlp."] = cfg.inter_dim
-    for m, inter in mlps.items():
-        t[p + m + "gate_proj.weight"] = ([inter, cfg.dim], "fp8")
-        t[p + m + "up_proj.weight"] = ([inter, cfg.dim], "fp8")
-        t[p + m + "down_proj.weight"] = ([cfg.dim, inter], "fp8")
-    return t
-
-
 def checkpoint_tensors(cfg: Config):
     """{HF tensor name: (shape, kind)} for every tensor of the official checkpoint, scales included."""
-    t = {"model.embed_tokens.weight": ([cfg.vocab_size, cfg.dim], "bf16")}
+    H, I, J, dim = cfg.n_heads, cfg.index_n_heads, cfg.index_head_dim, cfg.dim
+    Q, C, R = cfg.q_lora_rank, cfg.kv_lora_rank, cfg.qk_rope_head_dim
+    t = {"model.embed_tokens.weight": ([cfg.vocab_size, dim], "bf16")}
     for i in range(cfg.n_layers + cfg.n_mtp_layers):
+        p, a = f"model.layers.{i}.", f"model.layers.{i}.self_attn."
         if i >= cfg.n_layers:   # MTP layer (spec 2.3): its own embedding/head copies, norms, eh_proj, a MoE block
-            p = f"model.layers.{i}."
-            t.update({p + "embed_tokens.weight": ([cfg.vocab_size, cfg.dim], "bf16"),
-                      p + "enorm.weight": ([cfg.dim], "norm"), p + "hnorm.weight": ([cfg.dim], "norm"),
-                      p + "eh_proj.weight": ([cfg.dim, 2 * cfg.dim], "bf16"),
-                      p + "shared_head.norm.weight": ([cfg.dim], "norm"),
-                      p + "shared_head.head.weight": ([cfg.vocab_size, cfg.dim], "bf16")})
-        t.update(_layer_tensors(cfg, i, moe=i >= cfg.n_dense_layers))
-    t["model.norm.weight"] = ([cfg.dim], "norm")
-    t["lm_head.weight"] = ([cfg.vocab_size, cfg.dim], "bf16")
+            t.update({p + "embed_tokens.weight": ([cfg.vocab_size, dim], "bf16"),
+                      p + "enorm.weight": ([dim], "norm"), p + "hnorm.weight": ([dim], "norm"),
+                      p + "eh_proj.weight": ([dim, 2 * dim], "bf16"), p + "shared_head.norm.weight": ([dim], "norm"),
+                      p + "shared_head.head.weight": ([cfg.vocab_size, dim], "bf16")})
+        t.update({p + "input_layernorm.weight": ([dim], "norm"), a + "q_a_proj.weight": ([Q, dim], "fp8"),
+                  a + "q_a_layernorm.weight": ([Q], "norm"), a + "q_b_proj.weight": ([H * cfg.qk_head_dim, Q], "fp8"),
+                  a + "kv_a_proj_with_mqa.weight": ([C + R, dim], "fp8"), a + "kv_a_layernorm.weight": ([C], "norm"),
+                  a + "kv_b_proj.weight": ([H * (cfg.qk_nope_head_dim + cfg.v_head_dim), C], "fp8"),
+                  a + "o_proj.weight": ([dim, H * cfg.v_head_dim], "fp8"),
+                  a + "indexer.wq_b.weight": ([I * J, Q], "fp8"), a + "indexer.wk.weight": ([J, dim], "fp8"),
+                  a + "indexer.k_norm.weight": ([J], "norm"), a + "indexer.k_norm.bias": ([J], "norm"),
+                  a + "indexer.weights_proj.weight": ([I, dim], "bf16"),
+                  p + "post_attention_layernorm.weight": ([dim], "norm")})
+        mlps = {"mlp.": cfg.inter_dim}
+        if i >= cfg.n_dense_layers:                     # MoE: router, routed experts, shared expert
+            t[p + "mlp.gate.weight"] = ([cfg.n_routed_experts, dim], "bf16")
+            t[p + "mlp.gate.e_score_correction_bias"] = ([cfg.n_routed_experts], "f32")
+            mlps = {f"mlp.experts.{e}.": cfg.moe_inter_dim for e in range(cfg.n_routed_experts)}
+            mlps["mlp.shared_experts."] = cfg.moe_inter_dim * cfg.n_shared_experts
+        for m, inter in mlps.items():
+            t[p + m + "gate_proj.weight"] = t[p + m + "up_proj.weight"] = ([inter, dim], "fp8")
+            t[p + m + "down_proj.weight"] = ([dim, inter], "fp8")
+    t["model.norm.weight"], t["lm_head.weight"] = ([dim], "norm"), ([cfg.vocab_size, dim], "bf16")
     for name, (shape, kind) in list(t.items()):
         if kind == "fp8":
             t[name + "_scale_inv"] = ([-(-shape[0] // BLOCK), -(-shape[1] // BLOCK)], "scale")
@@ -304,31 +272,8 @@ HF_TO_OURS = {"embed_tokens": "embed", "input_layernorm": "attn_norm", "post_att
               "kv_a_layernorm": "kv_norm", "kv_b_proj": "wkv_b", "o_proj": "wo", "gate_proj": "w1",
               "down_proj": "w2", "up_proj": "w3", "lm_head": "head", "self_attn": "attn", "mlp": "ffn",
               "weight_scale_inv": "scale", "e_score_correction_bias": "bias"}
-
-
 MTP_OWN = {"embed_tokens", "enorm", "hnorm", "eh_proj", "shared_head"}   # MTP-layer names outside its block
-
-
 EXPERT = re.compile(r"(.*\.experts)\.(\d+)\.(w[123])\.(weight|scale)$")
-
-
-def load_target(params, cfg: Config, hf_name: str):
-    """The model tensor a checkpoint tensor is loaded into: its parameter, or for a routed expert its slice of the
-    stacked weights (gate_proj -> w13[e, :I], up_proj -> w13[e, I:], down_proj -> w2[e]); None for an expert that
-    another rank holds (rank r: experts r * E_r .. (r + 1) * E_r - 1)."""
-    key = ours_name(cfg, hf_name)
-    hit = EXPERT.match(key)
-    if not hit:
-        return params[key]
-    base, e, w, kind = hit.groups()
-    n = params[f"{base}.w2.{kind}"].shape[0]                                 # experts on this rank
-    e = int(e) - tp_rank() * n
-    if not 0 <= e < n:
-        return None
-    if w == "w2":
-        return params[f"{base}.w2.{kind}"][e]
-    rows = cfg.moe_inter_dim // (BLOCK if kind == "scale" else 1)
-    return params[f"{base}.w13.{kind}"][e].narrow(0, rows * (w == "w3"), rows)
 
 
 def ours_name(cfg: Config, hf_name: str) -> str:
@@ -338,6 +283,22 @@ def ours_name(cfg: Config, hf_name: str) -> str:
     return ".".join(HF_TO_OURS.get(p, p) for p in parts)
 
 
+def load_target(params, cfg: Config, hf_name: str):
+    """The model tensor a checkpoint tensor is loaded into: its parameter, or a routed expert's slice of the stacked
+    weights (gate_proj -> w13[e, :I], up_proj -> w13[e, I:], down_proj -> w2[e]); None for another rank's expert."""
+    key = ours_name(cfg, hf_name)
+    hit = EXPERT.match(key)
+    if not hit:
+        return params[key]
+    base, e, w, kind = hit.groups()
+    stack = params[f"{base}.{'w2' if w == 'w2' else 'w13'}.{kind}"]          # [E_r, ...]: this rank's experts
+    e = int(e) - tp_rank() * len(stack)
+    if not 0 <= e < len(stack):
+        return None
+    rows = cfg.moe_inter_dim // (BLOCK if kind == "scale" else 1)
+    return stack[e] if w == "w2" else stack[e].narrow(0, rows * (w == "w3"), rows)
+
+
 def _per_element(scale: torch.Tensor, shape) -> torch.Tensor:
     """Block scales [ceil(out/128), ceil(in/128)] -> one scale per weight element [out, in] (edge blocks cut)."""
     return scale.repeat_interleave(BLOCK, 0)[:shape[0]].repeat_interleave(BLOCK, 1)[:, :shape[1]]
@@ -345,9 +306,8 @@ def _per_element(scale: torch.Tensor, shape) -> torch.Tensor:
 
 def quantize_weight(w: torch.Tensor):
     """fp32 [out, in] -> (float8_e4m3fn weight, float32 scale_inv [ceil(out/128), ceil(in/128)]), pow2 scales."""
-    out_f, in_f = w.shape
-    ro, ri = -(-out_f // BLOCK), -(-in_f // BLOCK)
-    pad = F.pad(w.float(), (0, ri * BLOCK - in_f, 0, ro * BLOCK - out_f))
+    ro, ri = -(-w.shape[0] // BLOCK), -(-w.shape[1] // BLOCK)
+    pad = F.pad(w.float(), (0, ri * BLOCK - w.shape[1], 0, ro * BLOCK - w.shape[0]))
     amax = pad.view(ro, BLOCK, ri, BLOCK).abs().amax(dim=(1, 3)).clamp(min=1e-4)
     scale = pow2_ceil(amax / FP8_MAX)                                   # ue8m0: scales are powers of two
     return (w / _per_element(scale, w.shape)).to(FP8), scale
@@ -370,9 +330,7 @@ def random_weight(name: str, shape, kind: str, seed: int, device="cpu") -> torch
         return (1.0 + 0.1 * x) if name.endswith("weight") else 0.1 * x      # LayerNorm bias is small
     if kind == "f32":
         return 0.05 * x                                                    # router bias: selection only
-    if "embed_tokens" in name:
-        return x
-    return x * shape[1] ** -0.5                                             # unit-gain projections
+    return x if "embed_tokens" in name else x * shape[1] ** -0.5            # else unit-gain projections
 
 
 def stored_dtype(name, kind):
@@ -382,11 +340,9 @@ def stored_dtype(name, kind):
 
 def save_random_checkpoint(path, config: Config, seed: int = 0, shard_bytes: int = 4 << 30, tokenizer=True,
                            device="cpu", weights=None):
-    """Write a random-weight DeepSeek-V3.2 checkpoint in exactly the official HF layout (config.json with
-    quantization_config, sharded safetensors + index json, FP8 weights with pow2 128x128 block scales).
-    device: where values are drawn and quantized ('cuda' writes a full-width checkpoint in a minute; the values
-    differ from the CPU's, the format does not). weights: {HF name: tensor} of a trained model, written through
-    the same FP8 path instead of random values (tools/train_demo.py)."""
+    """Write a random-weight DeepSeek-V3.2 checkpoint in the official HF layout (config.json, sharded safetensors and
+    index, FP8 weights with pow2 128x128 block scales). device: where values are drawn (cuda: others, same format).
+    weights: {HF name: tensor} of a trained model, written through the same FP8 path (tools/train_demo.py)."""
     from safetensors.torch import save_file
     from tqdm import tqdm
     os.makedirs(path, exist_ok=True)
@@ -398,28 +354,19 @@ def save_random_checkpoint(path, config: Config, seed: int = 0, shard_bytes: int
     if tokenizer:
         write_byte_tokenizer(path, config.vocab_size)
     shards, cur, total = [], {}, 0          # shards: the tensor names of each shard written so far
-
-    def flush():                            # shard count is known only at the end: temporary names until then
-        nonlocal cur
-        save_file(cur, os.path.join(path, f".shard{len(shards)}.tmp"), metadata={"format": "pt"})
-        shards.append(list(cur))
-        cur = {}
-
     spec = {k: v for k, v in checkpoint_tensors(config).items() if v[1] != "scale"}
-    for name, (shape, kind) in tqdm(spec.items(), desc="writing checkpoint", unit="tensor", leave=False):
+    for i, (name, (shape, kind)) in enumerate(tqdm(spec.items(), desc="writing checkpoint", unit="tensor",
+                                                   leave=False)):
         w = random_weight(name, shape, kind, seed, device) if weights is None else weights[name].float()
         assert list(w.shape) == shape, f"{name}: shape {list(w.shape)}, the checkpoint needs {shape}"
-        if kind == "fp8":
-            q, s = quantize_weight(w)
-            cur.update({name: q.cpu().contiguous(), name + "_scale_inv": s.cpu().contiguous()})
-            total += q.numel() + 4 * s.numel()
-        else:
-            cur[name] = w.to(stored_dtype(name, kind)).cpu().contiguous()
-            total += cur[name].numel() * cur[name].element_size()
-        if sum(t.numel() * t.element_size() for t in cur.values()) >= shard_bytes:
-            flush()
-    if cur:
-        flush()
+        w = zip((name, name + "_scale_inv"), quantize_weight(w)) if kind == "fp8" else \
+            [(name, w.to(stored_dtype(name, kind)))]
+        cur.update({n: t.cpu().contiguous() for n, t in w})
+        size = sum(t.numel() * t.element_size() for t in cur.values())
+        if size >= shard_bytes or i == len(spec) - 1:   # the shard count is known only at the end: temporary names
+            save_file(cur, os.path.join(path, f".shard{len(shards)}.tmp"), metadata={"format": "pt"})
+            shards.append(list(cur))
+            cur, total = {}, total + size
     weight_map = {}
     for i, names in enumerate(shards):
         fname = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
@@ -429,9 +376,7 @@ def save_random_checkpoint(path, config: Config, seed: int = 0, shard_bytes: int
         json.dump({"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}, f, indent=2)
 
 
-# ------------------------------------------------------------------------------------------------------------
-# Tensor and expert parallelism (torchrun): every rank holds a shard of the weights and runs the same schedule
-# ------------------------------------------------------------------------------------------------------------
+# ---- Tensor and expert parallelism (torchrun): each rank holds a shard of the weights, runs the same schedule ---
 # Split by rank: MLA heads, dense MLP and shared expert (w1 / w3 rows, w2 columns), routed experts (by index range),
 # vocabulary. Replicated: the rest, the indexer and latent KV cache included (every rank selects the same positions).
 # One all-reduce per block half (Block), one all-gather of the logits; sampling is identical on every rank.
@@ -485,9 +430,7 @@ def rank_slice(full, part):
     return tuple(slice(None) if f == p else slice(r * p, r * p + p) for f, p in zip(full, part))
 
 
-# ------------------------------------------------------------------------------------------------------------
-# Building blocks: FP8 activation quantization and linear, norms, YaRN RoPE, Hadamard
-# ------------------------------------------------------------------------------------------------------------
+# ---- Building blocks: FP8 activation quantization and linear, norms, YaRN RoPE, Hadamard -------------------------
 def pow2_ceil(x: torch.Tensor) -> torch.Tensor:
     """Smallest power of two >= x (x > 0), exactly (the reference's exponent bit trick, via frexp)."""
     m, e = torch.frexp(x)                                                   # x = m * 2^e, m in [0.5, 1)
@@ -516,18 +459,11 @@ def acc_dtype(x: torch.Tensor):
 
 
 def fp8_linear(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, partial=False) -> torch.Tensor:
-    """y = act_quant(x) @ W^T for a block-scaled FP8 weight (the reference `fp8_gemm`), bf16 out (partial: the
-    unrounded accumulator, a rank's share of a sum rounded once after the all-reduce).
-    With pow2 scales both operands are exact in fp32, so an fp32 GEMM equals the reference up to summation order."""
-    xq = act_dequant(*act_quant(x))                                         # never skip: 3-bit mantissa error
-    acc = acc_dtype(x)
-    y = F.linear(xq.to(acc), weight_dequant(w, scale).to(acc))
+    """y = act_quant(x) @ W^T for a block-scaled FP8 weight, bf16 out (partial: the unrounded accumulator, rounded
+    after the all-reduce). Pow2 scales keep both operands exact: it equals the reference `fp8_gemm` up to sum order."""
+    acc = acc_dtype(x)                                    # act_quant is never skipped: 3-bit mantissa error
+    y = F.linear(act_dequant(*act_quant(x)).to(acc), weight_dequant(w, scale).to(acc))
     return y if partial else y.to(BF16)
-
-
-def fp8_round_trip(x: torch.Tensor) -> torch.Tensor:
-    """x -> dequant(act_quant(x)) in bf16: how [R] simulates the FP8 latent cache."""
-    return act_dequant(*act_quant(x)).to(BF16)
 
 
 def _param(*shape, dtype):
@@ -536,31 +472,27 @@ def _param(*shape, dtype):
 
 def dense_linear(x, w):
     """x W^T for a plain (bf16 / fp32) weight, fp32 out; callers round if needed."""
-    acc = acc_dtype(x)
-    return F.linear(x.to(acc), w.to(acc)).float()
+    return F.linear(x.to(acc_dtype(x)), w.to(acc_dtype(x))).float()
 
 
 class Linear(nn.Module):
-    """x W^T. fp8=True: float8_e4m3fn weight + float32 `scale` per 128x128 block; else a plain `dtype` weight.
-    n: a stack of n such weights (the routed experts), [n, out, in]; the MoE kernel reads them, not forward.
-    split: 'col' this rank holds out_features / ranks rows (its slice of the output), 'row' in_features / ranks
-    columns (its input is a slice; the output a partial sum that the caller all-reduces), None all of it."""
+    """x W^T. fp8=True: float8_e4m3fn weight + float32 `scale` per 128x128 block; else a plain `dtype` weight. n: a
+    stack of n weights [n, out, in] (the routed experts, read by the MoE kernel). split: 'col' this rank holds out /
+    ranks rows, 'row' in / ranks columns (the output is a partial sum the caller all-reduces), None all of it."""
     ops = None                   # bound once by Transformer.bind (fp8_linear / dense_linear)
 
     def __init__(self, in_features, out_features, fp8=True, dtype=BF16, n=None, split=None):
         super().__init__()
         self.partial = split == "row"                   # output unrounded: rounded after the all-reduce
-        out_features //= tp_size() if split == "col" else 1
-        in_features //= tp_size() if split == "row" else 1
+        out = out_features // tp_size() if split == "col" else out_features
+        inp = in_features // tp_size() if split == "row" else in_features
         stack = [n] if n else []
-        self.weight = _param(*stack, out_features, in_features, dtype=FP8 if fp8 else dtype)
-        self.scale = _param(*stack, -(-out_features // BLOCK), -(-in_features // BLOCK), dtype=torch.float32) \
-            if fp8 else None
+        self.weight = _param(*stack, out, inp, dtype=FP8 if fp8 else dtype)
+        self.scale = _param(*stack, -(-out // BLOCK), -(-inp // BLOCK), dtype=torch.float32) if fp8 else None
 
     def forward(self, x):
-        if self.scale is not None:
-            return self.ops.fp8_linear(x, self.weight, self.scale, self.partial)
-        return self.ops.dense_linear(x, self.weight)
+        return self.ops.dense_linear(x, self.weight) if self.scale is None else \
+            self.ops.fp8_linear(x, self.weight, self.scale, self.partial)
 
 
 class RMSNorm(nn.Module):
@@ -568,24 +500,12 @@ class RMSNorm(nn.Module):
     stream rounded to bf16, as the reference's fused form."""
     def __init__(self, dim, eps):
         super().__init__()
-        self.eps = eps
-        self.weight = _param(dim, dtype=torch.float32)
+        self.eps, self.weight = eps, _param(dim, dtype=torch.float32)
 
     def forward(self, x, residual=None):
         x = x.float() if residual is None else x.float() + residual.float()
         y = (self.weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps))).to(BF16)
         return y if residual is None else (y, x.to(BF16))
-
-
-class LayerNorm(nn.Module):
-    """LayerNorm with weight and bias (the indexer's k_norm), fp32 math, bf16 out."""
-    def __init__(self, dim, eps):
-        super().__init__()
-        self.eps = eps
-        self.weight, self.bias = _param(dim, dtype=torch.float32), _param(dim, dtype=torch.float32)
-
-    def forward(self, x):
-        return F.layer_norm(x.float(), x.shape[-1:], self.weight, self.bias, self.eps).to(BF16)
 
 
 class Embedding(nn.Module):
@@ -600,46 +520,39 @@ class Embedding(nn.Module):
         return all_reduce(F.embedding(local.clamp(0, self.weight.shape[0] - 1), self.weight) * mine[..., None])
 
 
-def yarn_freqs(cfg: Config) -> torch.Tensor:
-    """YaRN-corrected inverse frequencies f'_i, fp32 [R/2] (spec 3.5): low dims unchanged, high dims / factor."""
-    d, base = cfg.qk_rope_head_dim, cfg.rope_theta
-    freqs = 1.0 / (base ** (torch.arange(0, d, 2, dtype=torch.float32) / d))
-    corr = lambda n: d * math.log(cfg.original_seq_len / (n * 2 * math.pi)) / (2 * math.log(base))  # noqa: E731
-    low, high = max(math.floor(corr(cfg.beta_fast)), 0), min(math.ceil(corr(cfg.beta_slow)), d - 1)
-    ramp = ((torch.arange(d // 2, dtype=torch.float32) - low) / (high - low if high > low else 0.001)).clamp(0, 1)
-    return freqs / cfg.rope_factor * ramp + freqs * (1 - ramp)
+_FREQS = {}                                      # f'_i on each device, by the config fields they depend on
 
 
 def rope_cos_sin(cfg: Config, positions: torch.Tensor):
-    """cos/sin of theta[t, i] = fp32(t) * f'_i, each [T, R/2] fp32. (mscale goes into the softmax scale only.)"""
-    key = (cfg.qk_rope_head_dim, cfg.rope_theta, cfg.rope_factor, cfg.original_seq_len, cfg.max_seq_len,
-           cfg.beta_fast, cfg.beta_slow, positions.device)
+    """cos/sin of theta[t, i] = fp32(t) * f'_i, each [T, R/2] fp32, with f'_i the YaRN-corrected inverse frequencies
+    (spec 3.5): low dims unchanged, high dims / factor. (mscale goes into the softmax scale only.)"""
+    d, base = cfg.qk_rope_head_dim, cfg.rope_theta
+    key = (d, base, cfg.rope_factor, cfg.original_seq_len, cfg.max_seq_len, cfg.beta_fast, cfg.beta_slow,
+           positions.device)
     if key not in _FREQS:                        # once per device: a CUDA graph cannot copy from the host
-        _FREQS[key] = yarn_freqs(cfg).to(positions.device)
+        freqs = 1.0 / (base ** (torch.arange(0, d, 2, dtype=torch.float32) / d))
+        corr = lambda n: d * math.log(cfg.original_seq_len / (n * 2 * math.pi)) / (2 * math.log(base))  # noqa: E731
+        low, high = max(math.floor(corr(cfg.beta_fast)), 0), min(math.ceil(corr(cfg.beta_slow)), d - 1)
+        ramp = ((torch.arange(d // 2, dtype=torch.float32) - low) / (high - low if high > low else 0.001)).clamp(0, 1)
+        _FREQS[key] = (freqs / cfg.rope_factor * ramp + freqs * (1 - ramp)).to(positions.device)
     theta = positions.float()[:, None] * _FREQS[key][None, :]
     return theta.cos(), theta.sin()
-
-
-_FREQS = {}
 
 
 def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: bool) -> torch.Tensor:
     """Rotate x [T, ..., R] by position. interleaved (MLA): pairs (x[2i], x[2i+1]); half-split (indexer):
     pairs (x[i], x[i + R/2]). fp32 math, bf16 out."""
-    x = x.float()
-    x1, x2 = (x[..., 0::2], x[..., 1::2]) if interleaved else x.chunk(2, dim=-1)
+    x1, x2 = (x[..., 0::2].float(), x[..., 1::2].float()) if interleaved else x.float().chunk(2, dim=-1)
     shape = (cos.shape[0],) + (1,) * (x.dim() - 2) + (cos.shape[1],)       # broadcast over heads
     cos, sin = cos.view(shape), sin.view(shape)
     o1, o2 = x1 * cos - x2 * sin, x1 * sin + x2 * cos
-    out = torch.stack((o1, o2), -1).flatten(-2) if interleaved else torch.cat((o1, o2), -1)
-    return out.to(BF16)
+    return (torch.stack((o1, o2), -1).flatten(-2) if interleaved else torch.cat((o1, o2), -1)).to(BF16)
 
 
 def hadamard(x: torch.Tensor) -> torch.Tensor:
     """Walsh-Hadamard transform over the last dim in Sylvester order, scaled by n^-0.5 (x @ H_n / sqrt(n));
     fp32 math, bf16 in/out. Orthogonal: it keeps dot products and spreads outliers before FP8 quantization."""
-    n = x.shape[-1]
-    y, h = x.float(), 1
+    n, y, h = x.shape[-1], x.float(), 1
     while h < n:                                       # butterfly: pairs (i, i + h) inside blocks of 2h
         y = y.unflatten(-1, (n // (2 * h), 2, h))
         y = torch.stack((y[..., 0, :] + y[..., 1, :], y[..., 0, :] - y[..., 1, :]), dim=-2).flatten(-3)
@@ -647,9 +560,7 @@ def hadamard(x: torch.Tensor) -> torch.Tensor:
     return (y * n ** -0.5).to(BF16)
 
 
-# ------------------------------------------------------------------------------------------------------------
-# Forward metadata and the per-layer cache view
-# ------------------------------------------------------------------------------------------------------------
+# ---- Forward metadata and the per-layer cache view ---------------------------------------------------------------
 def to_device(x: torch.Tensor, device) -> torch.Tensor:
     """Host -> device without waiting: a copy from pageable memory blocks the host until the GPU reaches it, so the
     engine could never run ahead of the GPU. (torch reuses a pinned block only once its copy has run.)"""
@@ -658,11 +569,8 @@ def to_device(x: torch.Tensor, device) -> torch.Tensor:
 
 @dataclass
 class Meta:
-    """Everything a forward pass needs to know about its batch; built once per step, shared by every layer.
-    mode 'prefill': rows are chunks of prompts; 'decode' / 'verify': every row is its own decode query with its
-    own causal length, one row per request or k+1 rows per request. Attention runs in one of two forms:
-    dense per-head causal attention for prompt chunks whose context fits in top-k (DSA selects everything
-    there), and sparse absorbed rows (each row its top-k slots) for every other row, prefill rows included."""
+    """Everything a forward pass needs to know about its batch, built once per step, shared by every layer. mode
+    'prefill': rows are chunks of prompts; 'decode' / 'verify': each row is its own query (1 or k+1 per request)."""
     mode: str
     positions: torch.Tensor      # [T] absolute position of each row's token
     slots: torch.Tensor          # [T] KV-pool slot the row's token is written to
@@ -678,12 +586,11 @@ class Meta:
     @classmethod
     def build(cls, mode, starts, lens, table):
         """Request b has rows for positions starts[b] .. starts[b] + lens[b] - 1."""
-        dev = table.device
         positions = torch.cat([torch.arange(s, s + n) for s, n in zip(starts, lens)])
-        row_req = to_device(torch.repeat_interleave(torch.arange(len(lens)), torch.tensor(lens)), dev)
-        cu = list(accumulate(lens, initial=0))
-        pos = to_device(positions, dev)
-        return cls(mode, pos, table[row_req, pos], row_req, table, pos + 1, cu, positions + 1, int(positions.max()) + 1)
+        row_req = to_device(torch.repeat_interleave(torch.arange(len(lens)), torch.tensor(lens)), table.device)
+        pos = to_device(positions, table.device)
+        return cls(mode, pos, table[row_req, pos], row_req, table, pos + 1, list(accumulate(lens, initial=0)),
+                   positions + 1, int(positions.max()) + 1)
 
     def step(self, j):
         """The same rows j positions later: the draft steps of a round shift one Meta instead of rebuilding it."""
@@ -692,12 +599,11 @@ class Meta:
                        ctx_host=self.ctx_host + j, max_ctx=self.max_ctx + j, plan=None)
 
     def dense(self, index_topk):
-        """True for prompt chunks whose whole context fits in top-k: DSA selects every position, so attention
-        is plain causal attention (per-head form) and the indexer only stores its keys."""
+        """Prompt chunks whose whole context fits in top-k: DSA selects every position, so attention is plain causal
+        attention (per-head form). Every other row, prefill rows included, runs the sparse absorbed form."""
         return self.mode == "prefill" and self.max_ctx <= index_topk
 
-    def request_rows(self):
-        """The row slice of each request."""
+    def request_rows(self):                                # the row slice of each request
         return [slice(a, b) for a, b in zip(self.cu_seqlens[:-1], self.cu_seqlens[1:])]
 
 
@@ -707,19 +613,11 @@ class LayerCache:
     ik: torch.Tensor             # [S, J] fp8   indexer key
     iks: torch.Tensor            # [S]    fp32  indexer key scale
     C: int                       # kv_lora_rank
-
-    @property
-    def kv(self):                # [S, C] a view: kernels read `latent` packed (576) or split (512 + 64)
-        return self.latent[:, :self.C]
-
-    @property
-    def pe(self):                # [S, R]
-        return self.latent[:, self.C:]
+    kv = property(lambda self: self.latent[:, :self.C])   # [S, C] a view: kernels read `latent` whole or split
+    pe = property(lambda self: self.latent[:, self.C:])   # [S, R]
 
 
-# ------------------------------------------------------------------------------------------------------------
-# Lightning indexer (DSA): picks the top-K context positions for every query row (spec 3.7)
-# ------------------------------------------------------------------------------------------------------------
+# ---- Lightning indexer (DSA): picks the top-K context positions for every query row (spec 3.7) -------------------
 def index_quant(x):
     """The indexer's q and k before scoring: Hadamard, then FP8 with one power-of-two scale per 128-vector."""
     return act_quant(hadamard(x))
@@ -752,11 +650,9 @@ def index_topk(q8, w, cache: LayerCache, meta: Meta, k):
             ctx = meta.table[b, :int(meta.ctx_lens[r].max())]                             # [N] slots
             s = index_scores(q8[r], w[r], cache.ik[ctx][None], cache.iks[ctx][None])
             out.append(topk_positions(s, meta.ctx_lens[r], k))
-        width = min(k, meta.max_ctx)
-        return torch.cat([F.pad(o, (0, width - o.shape[1]), value=-1) for o in out])
+        return torch.cat([F.pad(o, (0, min(k, meta.max_ctx) - o.shape[1]), value=-1) for o in out])
     ctx = meta.table[meta.row_req, :meta.max_ctx]        # decode/verify: flattened rows [T, N]
-    s = index_scores(q8, w, cache.ik[ctx], cache.iks[ctx])
-    return topk_positions(s, meta.ctx_lens, k)
+    return topk_positions(index_scores(q8, w, cache.ik[ctx], cache.iks[ctx]), meta.ctx_lens, k)
 
 
 class Indexer(nn.Module):
@@ -764,35 +660,30 @@ class Indexer(nn.Module):
 
     def __init__(self, cfg: Config):
         super().__init__()
-        self.cfg = cfg
-        self.wq_b = Linear(cfg.q_lora_rank, cfg.index_n_heads * cfg.index_head_dim)
+        self.cfg, self.wq_b = cfg, Linear(cfg.q_lora_rank, cfg.index_n_heads * cfg.index_head_dim)
         self.wk = Linear(cfg.dim, cfg.index_head_dim)
-        self.k_norm = LayerNorm(cfg.index_head_dim, cfg.eps)
+        self.k_norm = nn.LayerNorm(cfg.index_head_dim, cfg.eps).requires_grad_(False)    # fp32 weight and bias
         self.weights_proj = Linear(cfg.dim, cfg.index_n_heads, fp8=False, dtype=torch.float32)
 
     def forward(self, x, qr, cos, sin, meta: Meta, cache: LayerCache):
         """-> [T, min(K, N)] selected context positions per row (-1 = none), or None for a dense prompt chunk.
         Writes this pass's keys first, so every row can select its own token."""
         cfg, T, R = self.cfg, x.shape[0], self.cfg.qk_rope_head_dim
-        k = self.k_norm(self.wk(x))                                                       # [T, J]
-        k = torch.cat([rope(k[..., :R], cos, sin, interleaved=False), k[..., R:]], -1)   # rope on the FIRST R dims
-        k8, ks = self.ops.index_quant(k)                 # Hadamard, then FP8: [T, J] fp8, [T, 1]
+        quant = lambda t: self.ops.index_quant(  # noqa: E731   rope on the FIRST R dims, then Hadamard and FP8
+            torch.cat([rope(t[..., :R], cos, sin, interleaved=False), t[..., R:]], -1))
+        k8, ks = quant(self.k_norm(self.wk(x).float()).to(BF16))                  # [T, J] fp8, [T, 1]
         cache.ik[meta.slots], cache.iks[meta.slots] = k8, ks[:, 0]
         if meta.dense(cfg.index_topk):                   # the whole context is selected: only the keys are needed
             return None
         if meta.max_ctx <= cfg.index_topk:               # every row selects its whole context (SGLang skips too)
             n = torch.arange(meta.max_ctx, device=x.device)
             return torch.where(n < meta.ctx_lens[:, None], n, -1)
-        q = self.wq_b(qr).view(T, cfg.index_n_heads, cfg.index_head_dim)                  # [T, I, J]
-        q = torch.cat([rope(q[..., :R], cos, sin, interleaved=False), q[..., R:]], -1)
-        q8, qs = self.ops.index_quant(q)                 # [T, I, J] fp8, [T, I, 1]: one scale per head vector
+        q8, qs = quant(self.wq_b(qr).view(T, cfg.index_n_heads, cfg.index_head_dim))  # [T, I, J] fp8, [T, I, 1]
         w = self.weights_proj(x) * cfg.index_n_heads ** -0.5 * qs[..., 0] * cfg.index_head_dim ** -0.5  # [T, I]
         return self.ops.index_topk(q8, w, cache, meta, cfg.index_topk)
 
 
-# ------------------------------------------------------------------------------------------------------------
-# MLA: multi-head latent attention over the indexer's selection (spec 3.6, 3.8)
-# ------------------------------------------------------------------------------------------------------------
+# ---- MLA: multi-head latent attention over the indexer's selection (spec 3.6, 3.8) -------------------------------
 def sparse_mla(q_abs, q_pe, cache: LayerCache, slots, meta: Meta, scale):
     """Absorbed ("MQA") sparse attention, one query row per token: the reference of the sparse MLA decode kernel.
     q_abs [T, H, C] (q_nope already multiplied into the latent space), q_pe [T, H, R]; slots [T, K] each row's
@@ -800,19 +691,16 @@ def sparse_mla(q_abs, q_pe, cache: LayerCache, slots, meta: Meta, scale):
     valid, acc = slots >= 0, acc_dtype(q_abs)
     kv, pe = cache.kv[slots.clamp(min=0)].to(acc), cache.pe[slots.clamp(min=0)].to(acc)  # [T, K, C], [T, K, R]
     scores = (q_abs.to(acc) @ kv.transpose(1, 2) + q_pe.to(acc) @ pe.transpose(1, 2)) * scale  # [T, H, K]
-    p = scores.masked_fill(~valid[:, None, :], float("-inf")).softmax(-1)
-    return (p @ kv).float()                                                                # [T, H, C]
+    return (scores.masked_fill(~valid[:, None, :], float("-inf")).softmax(-1) @ kv).float()   # [T, H, C]
 
 
 def dense_attention(q, k, v, scale):
-    """Causal attention of a prompt chunk's rows over its context, per head: the reference of the dense prefill
-    kernel. q [S, H, E] (the last S positions), k [N, H, E], v [N, H, V] -> [S, H, V]; row i sees keys
-    0 .. N - S + i."""
+    """Causal per-head attention of a prompt chunk (the reference of the dense prefill kernel): q [S, H, E] the last
+    S of N positions, k [N, H, E], v [N, H, V] -> [S, H, V]; row i sees keys 0 .. N - S + i."""
     S, N = q.shape[0], k.shape[0]
     scores = torch.einsum("shd,nhd->hsn", q, k) * scale
     future = torch.arange(N, device=q.device) > torch.arange(S, device=q.device)[:, None] + (N - S)
-    p = scores.masked_fill(future, float("-inf")).softmax(-1)
-    return torch.einsum("hsn,nhv->shv", p, v)
+    return torch.einsum("hsn,nhv->shv", scores.masked_fill(future, float("-inf")).softmax(-1), v)
 
 
 class MLA(nn.Module):
@@ -821,16 +709,13 @@ class MLA(nn.Module):
 
     def __init__(self, cfg: Config):
         super().__init__()
-        self.cfg = cfg
-        H = cfg.n_heads              # split over ranks: q_b / kv_b rows and o_proj columns of this rank's heads
-        self.wq_a = Linear(cfg.dim, cfg.q_lora_rank)
-        self.q_norm = RMSNorm(cfg.q_lora_rank, cfg.eps)
+        self.cfg, H = cfg, cfg.n_heads   # split over ranks: q_b / kv_b rows and o_proj columns of this rank's heads
+        self.wq_a, self.q_norm = Linear(cfg.dim, cfg.q_lora_rank), RMSNorm(cfg.q_lora_rank, cfg.eps)
         self.wq_b = Linear(cfg.q_lora_rank, H * cfg.qk_head_dim, split="col")
         self.wkv_a = Linear(cfg.dim, cfg.kv_lora_rank + cfg.qk_rope_head_dim)
         self.kv_norm = RMSNorm(cfg.kv_lora_rank, cfg.eps)
         self.wkv_b = Linear(cfg.kv_lora_rank, H * (cfg.qk_nope_head_dim + cfg.v_head_dim), split="col")
-        self.wo = Linear(H * cfg.v_head_dim, cfg.dim, split="row")
-        self.indexer = Indexer(cfg)
+        self.wo, self.indexer = Linear(H * cfg.v_head_dim, cfg.dim, split="row"), Indexer(cfg)
 
     def forward(self, x, cos, sin, meta: Meta, cache: LayerCache):
         """-> this rank's heads' part of the output projection [T, dim], unrounded (Block sums it over ranks)."""
@@ -840,7 +725,7 @@ class MLA(nn.Module):
         q_nope, q_pe = self.wq_b(qr).view(T, H, D + R).split([D, R], -1)  # [T, H, D], [T, H, R]
         q_pe = rope(q_pe, cos, sin, interleaved=True)
         kv, k_pe = self.wkv_a(x).split([C, R], -1)                       # [T, C], [T, R]
-        cache.kv[meta.slots] = fp8_round_trip(self.kv_norm(kv))          # the latent is cached as FP8 ([R] simulates)
+        cache.kv[meta.slots] = act_dequant(*act_quant(self.kv_norm(kv))).to(BF16)   # cached as FP8 ([R] simulates)
         cache.pe[meta.slots] = rope(k_pe, cos, sin, interleaved=True)
         sel = self.indexer(x, qr, cos, sin, meta, cache)                 # [T, K'] context positions, -1 = none
         w = self.wkv_b_abs                                               # fp32/fp64 (torch path) or bf16 (kernels)
@@ -865,9 +750,7 @@ class MLA(nn.Module):
         return self.ops.dense_attention(q, k, kvf[..., D:], self.cfg.softmax_scale)   # [S, H, V]
 
 
-# ------------------------------------------------------------------------------------------------------------
-# Feed-forward: SwiGLU MLP and the sigmoid-routed, group-limited MoE (spec 3.4, 3.9)
-# ------------------------------------------------------------------------------------------------------------
+# ---- Feed-forward: SwiGLU MLP and the sigmoid-routed, group-limited MoE (spec 3.4, 3.9) --------------------------
 class MLP(nn.Module):
     """SwiGLU; a rank holds inter_dim / ranks of it: its output is an unrounded part of the sum (Block adds them)."""
     def __init__(self, dim, inter_dim):
@@ -884,16 +767,15 @@ class Gate(nn.Module):
     then top-A experts inside them; weights are the unbiased scores, renormalized, times route_scale."""
     def __init__(self, cfg: Config):
         super().__init__()
-        self.cfg = cfg
-        self.weight = _param(cfg.n_routed_experts, cfg.dim, dtype=BF16)
-        self.bias = _param(cfg.n_routed_experts, dtype=torch.float32)                   # selection only
+        self.cfg, self.weight = cfg, _param(cfg.n_routed_experts, cfg.dim, dtype=BF16)
+        self.bias = _param(cfg.n_routed_experts, dtype=torch.float32)                    # selection only
 
     def forward(self, x):
         cfg, T = self.cfg, x.shape[0]
         s = F.linear(x.float(), self.weight.float()).sigmoid()                            # [T, E] fp32
         sb = (s + self.bias).view(T, cfg.n_expert_groups, -1)                             # [T, G, E/G]
         group_score = sb.topk(2, dim=-1).values.sum(-1)                                   # [T, G]
-        keep = group_score.topk(cfg.n_limited_groups, dim=-1).indices
+        keep = group_score.topk(cfg.n_limited_groups, dim=-1).indices                      # the kept groups
         drop = torch.ones_like(group_score, dtype=torch.bool).scatter_(1, keep, False)
         idx = sb.masked_fill(drop[..., None], float("-inf")).flatten(1).topk(cfg.n_activated_experts, -1).indices
         w = s.gather(1, idx)                                                               # [T, A]
@@ -901,9 +783,9 @@ class Gate(nn.Module):
 
 
 def moe_experts(x, weights, idx, w13, s13, w2, s2):
-    """The routed experts of a MoE layer, summed with their routing weights in fp32: the reference of the grouped
-    MoE kernel. x [T, dim] bf16; weights, idx [T, A]; w13 [E, 2I, dim] (w1 | w3 fused), w2 [E, dim, I] FP8 with
-    their block scales -> [T, dim] fp32. Each expert used is one SwiGLU MLP over the tokens that chose it."""
+    """The routed experts of a MoE layer (the reference of the grouped MoE kernel): each a SwiGLU MLP over the tokens
+    that chose it, summed with their routing weights in fp32. x [T, dim] bf16; weights, idx [T, A]; w13
+    [E, 2I, dim] (w1 | w3 fused), w2 [E, dim, I] FP8 with their block scales -> [T, dim] fp32."""
     y, inter = torch.zeros(x.shape, dtype=torch.float32, device=x.device), w2.shape[2]
     for e in idx[idx < len(w13)].unique().tolist():        # expert order 0..E-1; idx E: another rank's, skipped
         tok, j = (idx == e).nonzero(as_tuple=True)
@@ -931,19 +813,15 @@ class MoE(nn.Module):
         ex, E = self.experts, self.experts.w13.weight.shape[0]
         first = tp_rank() * E                                     # this rank holds experts first .. first + E - 1
         idx = torch.where((idx >= first) & (idx < first + E), idx - first, E)   # E: another rank's, skipped
-        y = self.ops.moe(x, w, idx, ex.w13.weight, ex.w13.scale, ex.w2.weight, ex.w2.scale)   # fp32 accumulation
-        return y + self.shared_experts(x)
+        return self.ops.moe(x, w, idx, ex.w13.weight, ex.w13.scale, ex.w2.weight, ex.w2.scale) + self.shared_experts(x)
 
 
-# ------------------------------------------------------------------------------------------------------------
-# Block, Transformer, MTP layer (spec 3.10, 3.11)
-# ------------------------------------------------------------------------------------------------------------
+# ---- Block, Transformer, MTP layer (spec 3.10, 3.11) -------------------------------------------------------------
 class Block(nn.Module):
     def __init__(self, cfg: Config, moe: bool):
         super().__init__()
         self.attn_norm, self.ffn_norm = RMSNorm(cfg.dim, cfg.eps), RMSNorm(cfg.dim, cfg.eps)
-        self.attn = MLA(cfg)
-        self.ffn = MoE(cfg) if moe else MLP(cfg.dim, cfg.inter_dim)
+        self.attn, self.ffn = MLA(cfg), MoE(cfg) if moe else MLP(cfg.dim, cfg.inter_dim)
 
     def forward(self, x, residual, cos, sin, meta, cache):
         x, residual = (self.attn_norm(x), x) if residual is None else self.attn_norm(x, residual)
@@ -959,12 +837,10 @@ class MTP(nn.Module):
     at i+1, predict the token at i+2: block(eh_proj([enorm(emb(t_{i+1})); hnorm(h_i)])) -> norm -> head."""
     def __init__(self, cfg: Config):
         super().__init__()
-        self.cfg = cfg
-        self.embed = Embedding(cfg.vocab_size, cfg.dim)
+        self.cfg, self.embed = cfg, Embedding(cfg.vocab_size, cfg.dim)
         self.enorm, self.hnorm = RMSNorm(cfg.dim, cfg.eps), RMSNorm(cfg.dim, cfg.eps)
         self.eh_proj = Linear(2 * cfg.dim, cfg.dim, fp8=False)            # bf16, unquantized in the checkpoint
-        self.block = Block(cfg, moe=True)
-        self.shared_head = nn.Module()
+        self.block, self.shared_head = Block(cfg, moe=True), nn.Module()
         self.shared_head.norm = RMSNorm(cfg.dim, cfg.eps)
         self.shared_head.head = Linear(cfg.dim, cfg.vocab_size, fp8=False, dtype=torch.float32, split="col")
 
@@ -980,9 +856,7 @@ class MTP(nn.Module):
         return all_gather(self.shared_head.head(h))                   # fp32 [T, vocab] (vocabulary slices joined)
 
 
-# ------------------------------------------------------------------------------------------------------------
-# The kernel boundary: the few names through which the GPU path plugs in
-# ------------------------------------------------------------------------------------------------------------
+# ---- The kernel boundary: the few names through which the GPU path plugs in --------------------------------------
 # Layers call these through `self.ops`. Transformer.bind points every layer at one set, once, at load: TORCH_OPS
 # (the readable references above, on any device) or kernels.GPU_OPS (the same names and signatures).
 TORCH_OPS = SimpleNamespace(
@@ -1005,8 +879,7 @@ class Transformer(nn.Module):
     def __init__(self, cfg: Config):
         super().__init__()
         cfg.check_tp(tp_size())
-        self.cfg = cfg
-        self.embed = Embedding(cfg.vocab_size, cfg.dim)
+        self.cfg, self.embed = cfg, Embedding(cfg.vocab_size, cfg.dim)
         self.layers = nn.ModuleList(Block(cfg, moe=i >= cfg.n_dense_layers) for i in range(cfg.n_layers))
         self.norm = RMSNorm(cfg.dim, cfg.eps)
         self.head = Linear(cfg.dim, cfg.vocab_size, fp8=False, dtype=torch.float32, split="col")   # fp32, as [R]
@@ -1014,7 +887,6 @@ class Transformer(nn.Module):
 
     def bind(self, ops):
         """Point every layer at one kernel set and prepare the weights it reads (once, after loading)."""
-        cfg = self.cfg
         for mod in self.modules():
             if hasattr(type(mod), "ops"):
                 mod.ops = ops
@@ -1022,17 +894,13 @@ class Transformer(nn.Module):
                 mod.weight.data = mod.weight.data.to(ops.dense_dtype(mod.weight))
             if isinstance(mod, MLA):        # wkv_b dequantized once, split per head into W_UK | W_UV
                 w = weight_dequant(mod.wkv_b.weight, mod.wkv_b.scale).to(ops.attn_dtype(mod.wkv_b.weight))
-                mod.wkv_b_abs = w.view(-1, cfg.qk_nope_head_dim + cfg.v_head_dim, cfg.kv_lora_rank)  # local heads
+                mod.wkv_b_abs = w.view(-1, mod.cfg.qk_nope_head_dim + mod.cfg.v_head_dim, mod.cfg.kv_lora_rank)
         return self
-
-    def _plan(self, meta: Meta):
-        if meta.plan is None:               # once per step: every layer (and an MTP pass over the same rows) reuses it
-            meta.plan = self.ops.plan(meta, self.cfg)
 
     @torch.inference_mode()
     def forward(self, tokens, meta: Meta, cache: KVCache):
         """tokens [T] -> hidden [T, dim] bf16 after the final norm (the lm_head input, also what MTP consumes)."""
-        self._plan(meta)
+        meta.plan = meta.plan or self.ops.plan(meta, self.cfg)   # once per step: every layer and MTP pass reuse it
         cos, sin = rope_cos_sin(self.cfg, meta.positions)
         h, residual = self.embed(tokens), None
         for i, layer in enumerate(self.layers):
@@ -1044,7 +912,7 @@ class Transformer(nn.Module):
 
     @torch.inference_mode()
     def mtp_forward(self, next_tokens, h, meta: Meta, cache: KVCache, j=0):
-        self._plan(meta)
+        meta.plan = meta.plan or self.ops.plan(meta, self.cfg)
         return self.mtp[j](next_tokens, h, meta, cache.layer(self.cfg.n_layers + j))
 
 
@@ -1066,9 +934,7 @@ class KVCache:
         return LayerCache(self.latent[i], self.ik[i], self.iks[i], self.C)
 
 
-# ------------------------------------------------------------------------------------------------------------
-# Loader: reads any DeepSeek-V3.2 checkpoint directory shard by shard, validating every tensor
-# ------------------------------------------------------------------------------------------------------------
+# ---- Loader: reads any DeepSeek-V3.2 checkpoint directory shard by shard, validating every tensor ----------------
 SAFETENSORS_DTYPES = {"F8_E4M3": FP8, "BF16": BF16, "F32": torch.float32}     # the ones DeepSeek-V3.2 uses
 
 
@@ -1085,29 +951,28 @@ def _shard_files(path):
     else:
         raise ValueError(f"{path}: no model.safetensors.index.json or model.safetensors (safetensors only)")
     for f in files:
-        if not os.path.isfile(os.path.join(path, f)):
-            raise ValueError(f"{path}: shard {f} listed in model.safetensors.index.json is missing")
+        require(os.path.isfile(os.path.join(path, f)),
+                f"{path}: shard {f} listed in model.safetensors.index.json is missing")
     return [os.path.join(path, f) for f in files], weight_map
 
 
-def read_safetensors_header(file):
-    """{tensor: (shape, dtype name)} of one shard. safetensors checks the header as it opens the file (its length,
-    JSON, dtypes, each tensor's byte span, the file covered exactly); any fault is one ValueError naming the file."""
+def open_checkpoint(path) -> Config:
+    """The config of a checkpoint directory, after checking config.json, each shard's header (safetensors checks its
+    length, JSON, dtypes, each tensor's byte span), then every tensor's presence, shape and dtype; no weights read."""
     from safetensors import safe_open
-    try:
-        with safe_open(file, "pt") as f:
-            return {n: (s.get_shape(), s.get_dtype()) for n in f.keys() for s in [f.get_slice(n)]}
-    except Exception as e:                       # safetensors raises its own SafetensorError (and OSError)
-        raise ValueError(f"{file}: not a safetensors file, or damaged or truncated ({' '.join(str(e).split())})") \
-            from None
-
-
-def validate_checkpoint(path, cfg: Config):
-    """Check each shard against its header, then every tensor's presence, shape and dtype; faults name the tensor."""
+    if not isinstance(path, (str, os.PathLike)) or not os.path.isdir(path):
+        raise ValueError(f"model directory {path!r} does not exist (or is not a directory)")
+    cfg = Config.from_json(path)
     expected, found = checkpoint_tensors(cfg), {}
     files, weight_map = _shard_files(path)
     for file in files:
-        for name, (shape, dtype) in read_safetensors_header(file).items():
+        try:
+            with safe_open(file, "pt") as f:
+                header = {n: (s.get_shape(), s.get_dtype()) for n in f.keys() for s in [f.get_slice(n)]}
+        except Exception as e:                   # safetensors raises its own SafetensorError (and OSError)
+            raise ValueError(f"{file}: not a safetensors file, or damaged or truncated "
+                             f"({' '.join(str(e).split())})") from None
+        for name, (shape, dtype) in header.items():
             if name in found:
                 raise ValueError(f"{path}: tensor {name} is in both {found[name][2]} and {os.path.basename(file)}")
             found[name] = (shape, dtype, os.path.basename(file))
@@ -1115,59 +980,41 @@ def validate_checkpoint(path, cfg: Config):
         if name in found and found[name][2] != file:
             raise ValueError(f"{path}: tensor {name} is in {found[name][2]}, but the index says {file}")
     for name, (shape, dtype, file) in found.items():
-        if name not in expected:
-            raise ValueError(f"{path}: unexpected tensor {name} in {file} (not part of DeepSeek-V3.2 with this "
-                             f"config)")
+        require(name in expected, f"{path}: unexpected tensor {name} in {file} (not part of DeepSeek-V3.2 with this "
+                f"config)")
         want_shape, kind = expected[name]
-        if shape != want_shape:
-            raise ValueError(f"{path}: tensor {name} has shape {shape}, expected {want_shape} (in {file})")
-        allowed = ALLOWED_DTYPES[kind]
-        if SAFETENSORS_DTYPES.get(dtype) not in allowed:
+        require(shape == want_shape, f"{path}: tensor {name} has shape {shape}, expected {want_shape} (in {file})")
+        if SAFETENSORS_DTYPES.get(dtype) not in ALLOWED_DTYPES[kind]:
             raise ValueError(f"{path}: tensor {name} has dtype {dtype}, expected "
-                             f"{' or '.join(str(d).removeprefix('torch.') for d in allowed)} (in {file})")
+                             f"{' or '.join(str(d).removeprefix('torch.') for d in ALLOWED_DTYPES[kind])} (in {file})")
     for name, (shape, kind) in expected.items():
-        if name not in found:
-            raise ValueError(f"{path}: missing tensor {name} (expected {kind} {shape})")
+        require(name in found, f"{path}: missing tensor {name} (expected {kind} {shape})")
+    return cfg
 
 
 def select_ops(kernels, device):
     """The kernel set for a device: 'torch' the references; 'gpu' kernels.py (an error where it cannot run);
     'auto' kernels.py on a GPU that supports it, else the references."""
-    if kernels not in ("auto", "torch", "gpu"):
-        raise ValueError(f"kernels must be 'auto', 'torch' or 'gpu' (got {kernels!r})")
+    require(kernels in ("auto", "torch", "gpu"), f"kernels must be 'auto', 'torch' or 'gpu' (got {kernels!r})")
     if kernels == "torch" or (kernels == "auto" and torch.device(device).type != "cuda"):
         return TORCH_OPS
-    if torch.device(device).type != "cuda":
-        raise ValueError(f"kernels='gpu' needs a CUDA device (got {device})")
+    require(torch.device(device).type == "cuda", f"kernels='gpu' needs a CUDA device (got {device})")
     import kernels as gpu_kernels                  # Triton + flashinfer: imported only on the GPU path
     why = gpu_kernels.unsupported(torch.device(device))
-    if why and kernels == "gpu":
-        raise ValueError(f"the GPU kernels cannot run here: {why}")
+    require(not why or kernels != "gpu", f"the GPU kernels cannot run here: {why}")
     return TORCH_OPS if why else gpu_kernels.GPU_OPS
 
 
-def open_checkpoint(path) -> Config:
-    """The config of a checkpoint directory, after checking config.json and every shard header (no weights read)."""
-    if not isinstance(path, (str, os.PathLike)) or not os.path.isdir(path):
-        raise ValueError(f"model directory {path!r} does not exist (or is not a directory)")
-    cfg = Config.from_json(path)
-    validate_checkpoint(path, cfg)
-    return cfg
-
-
 def load_model(path, device="cpu", kernels="auto", cfg=None) -> Transformer:
-    """Load a DeepSeek-V3.2 HF checkpoint directory (cfg: open_checkpoint(path), if the caller has it already). FP8
-    weights stay FP8 with their block scales; norms, router bias, weights_proj and the heads are upcast to fp32 one
-    tensor at a time, as the reference does. A tensor holding nan or inf is refused by name. Under torchrun a rank
-    reads only its share: its experts, its slice of each split tensor (`loaded_bytes`). Then bound to `select_ops`."""
+    """Load a DeepSeek-V3.2 HF checkpoint directory (cfg: open_checkpoint(path), if the caller has it). FP8 weights
+    stay FP8; norms, router bias, weights_proj and the heads are upcast to fp32 one tensor at a time, as the
+    reference does; a tensor holding nan or inf is refused by name. Under torchrun a rank reads only its share."""
     from safetensors import safe_open
     from tqdm import tqdm
     cfg = cfg or open_checkpoint(path)
-    with torch.device("meta"):
-        model = Transformer(cfg)
-    model = model.to_empty(device=device).eval()
-    params = dict(model.named_parameters())
-    files = _shard_files(path)[0]
+    with torch.device("meta"):                          # the layers' shapes only: no memory touched twice
+        model = Transformer(cfg).to_empty(device=device).eval()
+    params, files = dict(model.named_parameters()), _shard_files(path)[0]
     total = sum(os.path.getsize(f) for f in files) // tp_size()        # about what each rank reads
     model.loaded_bytes = 0
     with tqdm(total=total, unit="B", unit_scale=True, desc="loading", leave=False,
@@ -1191,27 +1038,21 @@ def load_model(path, device="cpu", kernels="auto", cfg=None) -> Transformer:
 
 def _share_mtp_copies(model):
     for m in model.mtp:            # the MTP embedding/head are copies of the main ones: share them when equal
-        if torch.equal(m.embed.weight, model.embed.weight):
-            m.embed.weight = model.embed.weight
-        if torch.equal(m.shared_head.head.weight, model.head.weight):
-            m.shared_head.head.weight = model.head.weight
+        for copy, main in ((m.embed, model.embed), (m.shared_head.head, model.head)):
+            if torch.equal(copy.weight, main.weight):
+                copy.weight = main.weight
     return model
 
 
-# ============================================================================================================
-# Part 2: the engine
-# ============================================================================================================
-# ------------------------------------------------------------------------------------------------------------
-# Tokenizer and DeepSeek-V3.2 chat encoding (spec section 5)
-# ------------------------------------------------------------------------------------------------------------
+# ==== Part 2: the engine ==========================================================================================
+# ---- Tokenizer and DeepSeek-V3.2 chat encoding (spec section 5) --------------------------------------------------
 BOS, EOS = "<｜begin▁of▁sentence｜>", "<｜end▁of▁sentence｜>"
 USER, ASSISTANT, THINK, END_THINK = "<｜User｜>", "<｜Assistant｜>", "<think>", "</think>"
 
 
 def encode_chat(messages, thinking=False) -> str:
-    """DeepSeek-V3.2 chat format: BOS, system text, then per user turn `<｜User｜>{c}<｜Assistant｜>` followed by
-    `<think>` (last user turn, thinking mode) or `</think>`; assistant turns end with EOS. Earlier reasoning is
-    dropped; the generation prompt ends after the last user turn."""
+    """DeepSeek-V3.2 chat format: BOS, system text, per user turn `<｜User｜>{c}<｜Assistant｜>` then `<think>` (the
+    last user turn, thinking mode) or `</think>`; assistant turns end with EOS; earlier reasoning is dropped."""
     last_user = max(i for i, m in enumerate(messages) if m["role"] == "user")
     out = BOS
     for i, m in enumerate(messages):
@@ -1227,28 +1068,18 @@ def encode_chat(messages, thinking=False) -> str:
     return out
 
 
-def _bytes_to_unicode():
-    """The byte-level BPE alphabet: each byte maps to one printable character."""
-    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), 256))
-    cs, n = bs[:], 0
-    for b in range(256):
-        if b not in bs:
-            bs.append(b)
-            cs.append(256 + n)
-            n += 1
-    return {b: chr(c) for b, c in zip(bs, cs)}
-
-
 def write_byte_tokenizer(path, vocab_size):
     """A self-contained byte-level tokenizer in the HF format: the DeepSeek special tokens at 0..5, one token
     per byte after them, unused ids as placeholders."""
     from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
     specials = [BOS, EOS, USER, ASSISTANT, THINK, END_THINK]
     assert vocab_size >= len(specials) + 256, "the byte tokenizer needs 262 ids"
-    vocab = {tok: i for i, tok in enumerate(specials)}
-    vocab.update({ch: len(specials) + b for b, ch in _bytes_to_unicode().items()})
-    placeholders = [f"<｜place▁holder▁no▁{i}｜>" for i in range(vocab_size - len(vocab))]
-    vocab.update({tok: len(vocab) + i for i, tok in enumerate(placeholders)})
+    # the byte-level BPE alphabet: printable bytes stand for themselves, the other 68 for chr(256 + n), in order
+    printable = {*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), 256)}
+    others = [b for b in range(256) if b not in printable]
+    alphabet = [chr(b) if b in printable else chr(256 + others.index(b)) for b in range(256)]   # token 6 + b: byte b
+    placeholders = [f"<｜place▁holder▁no▁{i}｜>" for i in range(vocab_size - len(specials) - 256)]
+    vocab = {tok: i for i, tok in enumerate(specials + alphabet + placeholders)}
     tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
     tok.decoder = decoders.ByteLevel()
@@ -1272,15 +1103,13 @@ def load_tokenizer(model_dir, cfg: Config):
     encode as one token, and BOS / EOS are the config's bos_token_id / eos_token_id."""
     from tokenizers import Tokenizer
     file = os.path.join(model_dir, "tokenizer.json")
-    if not os.path.isfile(file):
-        raise ValueError(f"{model_dir}: no tokenizer.json")
+    require(os.path.isfile(file), f"{model_dir}: no tokenizer.json")
     try:
         tok = Tokenizer.from_file(file)
     except Exception as e:                      # the tokenizers library raises a bare Exception
         raise ValueError(f"{file}: not a valid tokenizer ({' '.join(str(e).split())})") from None
     top = max(tok.get_vocab(with_added_tokens=True).values(), default=-1)
-    if top >= cfg.vocab_size:
-        raise ValueError(f"{file}: has token id {top}, but the model's vocab_size is {cfg.vocab_size}")
+    require(top < cfg.vocab_size, f"{file}: has token id {top}, but the model's vocab_size is {cfg.vocab_size}")
     for t in (BOS, EOS, USER, ASSISTANT, THINK, END_THINK):
         if tok.encode(t, add_special_tokens=False).ids != [tok.token_to_id(t)]:
             raise ValueError(f"{file}: the special token {t} is missing (the chat format needs it as one token)")
@@ -1301,9 +1130,7 @@ def default_model_dir() -> str:
     return DEMO_DIR
 
 
-# ------------------------------------------------------------------------------------------------------------
-# Sampling and speculative acceptance
-# ------------------------------------------------------------------------------------------------------------
+# ---- Sampling and speculative acceptance -------------------------------------------------------------------------
 def probs_from_logits(logits, temperature, top_p):
     """fp32 logits [n, V] -> sampling distribution: softmax(logits / T) restricted to the top-p nucleus."""
     p = torch.softmax(logits.float() / temperature, -1)
@@ -1328,15 +1155,12 @@ def residual_probs(p, q):
 
 
 def speculative_accept(draft, q, logits, temperature, top_p, gen):
-    """Verify k draft tokens against the main model's logits [k+1, V] at the k+1 verify rows; return the emitted
-    tokens (accepted drafts plus one token from the main model). Greedy: the longest prefix equal to the argmax,
-    then the argmax. Sampling: accept x with probability min(1, p(x)/q(x)), else draw from max(p - q, 0); the
-    output then follows the main model's distribution exactly."""
+    """Verify k drafts against the main model's logits [k+1, V] -> the emitted tokens (accepted drafts, then one of the
+    main model's). Greedy: the longest prefix equal to the argmax. Sampling: accept x with probability min(1, p(x) /
+    q(x)), else draw from max(p - q, 0): the output follows the main model's distribution exactly."""
     if temperature == 0:
         target = logits.argmax(-1).tolist()
-        a = 0
-        while a < len(draft) and draft[a] == target[a]:
-            a += 1
+        a = next((j for j, x in enumerate(draft) if x != target[j]), len(draft))
         return draft[:a] + [target[a]]
     p = probs_from_logits(logits, temperature, top_p)
     for j, x in enumerate(draft):
@@ -1345,9 +1169,7 @@ def speculative_accept(draft, q, logits, temperature, top_p, gen):
     return draft + [int(sample_no_sync(p[-1], gen))]
 
 
-# ------------------------------------------------------------------------------------------------------------
-# Engine: requests, paged KV pool, continuous batching, the MTP speculative loop
-# ------------------------------------------------------------------------------------------------------------
+# ---- Engine: requests, paged KV pool, continuous batching, the MTP speculative loop ------------------------------
 @dataclass
 class Request:
     idx: int                     # position in the caller's prompt list
@@ -1366,10 +1188,7 @@ class Request:
     logits: list = field(default_factory=list)   # main-model logits rows of the emitted tokens (return_logits)
     accept_lengths: list = field(default_factory=list)
     finish: str = None           # "eos" | "length" once done
-
-    @property
-    def generated(self):
-        return self.tokens[self.prompt_len:]
+    generated = property(lambda self: self.tokens[self.prompt_len:])
 
 
 @dataclass
@@ -1382,9 +1201,8 @@ class Result:
 
 
 class LLM:
-    """DeepSeek-V3.2 engine. Every step is one of: a prefill step (chunks of prompts, then the MTP layer over
-    the same chunks), or a decode round over all running requests: verify k drafts per request in one main-model
-    pass of decode rows, accept, draft-extend the MTP layer over the accepted tokens, draft k new tokens."""
+    """DeepSeek-V3.2 engine. Every step is a prefill step (chunks of prompts, then the MTP layer over the same chunks)
+    or a decode round over all running requests (verify, accept, draft-extend, draft: _decode_round)."""
     # generate's numeric arguments: check_arg's (kind, low, high, open_low); the CLI checks them before loading
     SAMPLING = dict(max_new_tokens=(int, 0, None, True), temperature=(float, 0), top_p=(float, 0, 1, True), seed=(int,))
 
@@ -1395,7 +1213,7 @@ class LLM:
             if v is not None or name not in ("kv_cache_bytes", "max_context"):       # these two: None = automatic
                 check_arg(name, v, int, int(name != "mtp"))
         try:
-            self.device = dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+            dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         except (RuntimeError, TypeError):
             raise ValueError(f"unknown device {device!r}") from None
         self.device = dev = init_distributed(dev)                        # torchrun: join the ranks, take a GPU
@@ -1406,8 +1224,7 @@ class LLM:
         model_dir = model_dir or default_model_dir()
         self.cfg = cfg = model.cfg if model else open_checkpoint(model_dir)   # config + shard headers: no weights yet
         self.tokenizer = load_tokenizer(model_dir, cfg)
-        if mtp > 0 and cfg.n_mtp_layers == 0:
-            raise ValueError(f"mtp={mtp}: needs a checkpoint with an MTP layer")
+        require(mtp == 0 or cfg.n_mtp_layers > 0, f"mtp={mtp}: needs a checkpoint with an MTP layer")
         page, cuda = KVCache.bytes_per_token(cfg) * page_size, dev.type == "cuda"
         memory = torch.cuda.mem_get_info(dev)[1] if cuda else os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
         if kv_cache_bytes is not None and not 2 * page <= kv_cache_bytes <= memory:     # page 0: the dummy page
@@ -1417,16 +1234,14 @@ class LLM:
         self.model = model or load_model(model_dir, dev, kernels, cfg)  # model: built already (bench.py)
         self.announce = dev.type == "cuda" and tp_rank() == 0   # say once, at the first generate, which kernels run
         self.k, self.page_size, self.max_batch, self.max_prefill_tokens = mtp, page_size, max_batch, max_prefill_tokens
-        kv_cache_bytes = kv_cache_bytes or (int(torch.cuda.mem_get_info(dev)[0] * 0.8) if cuda else 256 << 20)
-        num_pages = kv_cache_bytes // page                      # default pool: CPU 256 MiB, GPU 80% of what is free
-        num_pages = int(all_reduce(torch.tensor([num_pages], device=dev), dist.ReduceOp.MIN))  # one schedule for all
+        # default pool: CPU 256 MiB, GPU 80% of what is free; the smallest over ranks (one schedule for all)
+        num_pages = (kv_cache_bytes or (int(torch.cuda.mem_get_info(dev)[0] * 0.8) if cuda else 256 << 20)) // page
+        num_pages = int(all_reduce(torch.tensor([num_pages], device=dev), dist.ReduceOp.MIN))
         self.cache = KVCache(cfg, num_pages * page_size, self.device)
         self.free_pages = list(range(1, num_pages))             # page 0 is never given out: slot 0 is the dummy slot
         self.max_context = min(max_context or cfg.max_seq_len, cfg.max_seq_len)   # that padded rows write to
-        self.stats = {}
-        self.graphs = None
-        if cuda_graphs and cuda and self.model.ops is not TORCH_OPS:      # (the torch references sync the host)
-            self.graphs = CudaGraphs(self)
+        self.stats, torch_ops = {}, self.model.ops is TORCH_OPS      # the torch references sync the host: no graphs
+        self.graphs = CudaGraphs(self) if cuda_graphs and cuda and not torch_ops else None
 
     # --- paged KV pool: a request owns pages; position p lives in slot pages[p // P] * P + p % P ---------------
     def _reserve(self, req, n_positions):
@@ -1450,19 +1265,6 @@ class LLM:
         pages = to_device(pages, self.device)
         return (pages[:, :, None] * self.page_size + torch.arange(self.page_size, device=self.device)).flatten(1)
 
-    def _reserve_or_preempt(self, reqs, n_positions):
-        """Give every request pages for n_positions(r); when the pool is full, preempt the newest request (its
-        pages are freed and it is recomputed later). Returns the requests still running."""
-        for r in list(reqs):
-            while r in self.running and not self._reserve(r, n_positions(r)):
-                victim = self.running.pop()                          # newest admitted
-                self._release(victim)
-                self.preemptions += 1
-                victim.num_cached, victim.draft, victim.q = 0, None, None
-                victim.prefill_target = len(victim.tokens) - 1       # its last token is known: no resampling
-                self.waiting.insert(0, victim)
-        return [r for r in reqs if r in self.running]
-
     # --- the engine loop --------------------------------------------------------------------------------------
     def generate(self, prompts, max_new_tokens=256, temperature=0.0, top_p=1.0, seed=None, return_logits=False,
                  thinking=False, raw=False, on_tokens=None):
@@ -1472,12 +1274,11 @@ class LLM:
             prompts = [prompts]
         if not isinstance(prompts, (list, tuple)) or not all(isinstance(p, str) or token_ids(p) for p in prompts):
             raise ValueError(f"prompts must be a string, a list of token ids, or a list of those (got {prompts!r:.80})")
-        given = dict(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, return_logits=return_logits,
-                     thinking=thinking, raw=raw, seed=0 if seed is None else seed)
-        for name, v in given.items():
+        for name, v in dict(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p,
+                            return_logits=return_logits, thinking=thinking, raw=raw,
+                            seed=0 if seed is None else seed).items():
             check_arg(name, v, *self.SAMPLING.get(name, (bool,)))
-        if on_tokens is not None and not callable(on_tokens):
-            raise ValueError(f"on_tokens must be a function (got {on_tokens!r:.80})")
+        require(on_tokens is None or callable(on_tokens), f"on_tokens must be a function (got {on_tokens!r:.80})")
         if not prompts:
             return []
         temperature = max(temperature, 1e-5) if temperature > 0 else 0     # as the reference: no overflow in logits/T
@@ -1488,10 +1289,9 @@ class LLM:
         reqs = []
         for i, p in enumerate(prompts):
             ids = self.encode(p, thinking, raw)
-            if not ids:
-                raise ValueError(f"prompt {i} is empty")
-            if min(ids) < 0 or max(ids) >= self.cfg.vocab_size:
-                raise ValueError(f"prompt {i} has token ids outside [0, {self.cfg.vocab_size})")
+            require(ids, f"prompt {i} is empty")
+            require(min(ids) >= 0 and max(ids) < self.cfg.vocab_size,
+                    f"prompt {i} has token ids outside [0, {self.cfg.vocab_size})")
             if len(ids) + max_new_tokens > self.max_context:
                 raise ValueError(f"prompt {i} has {len(ids)} tokens; with max_new_tokens={max_new_tokens} it exceeds "
                                  f"the context limit of {self.max_context} tokens")
@@ -1508,37 +1308,29 @@ class LLM:
         self.on_tokens, self.return_logits, self.preemptions = on_tokens, return_logits, 0
         t0, rounds = time.perf_counter(), 0
         while self.waiting or self.running:
-            self._admit()
+            while self.waiting and len(self.running) < self.max_batch and \
+                    self._reserve(self.waiting[0], self.waiting[0].prefill_target + self.k + 1):  # prompt, 1st drafts
+                self.running.append(self.waiting.pop(0))
             prefilling = [r for r in self.running if r.num_cached < r.prefill_target]
             if prefilling:
                 self._prefill_step(prefilling)
             elif self.running:
                 self._decode_round(list(self.running))
                 rounds += 1
-        dt = time.perf_counter() - t0
-        results = [Result(r.generated, self.tokenizer.decode(r.generated), r.accept_lengths,
-                          (torch.stack(r.logits) if r.logits else torch.zeros(0, self.cfg.vocab_size))
-                          if return_logits else None, r.finish) for r in reqs]
-        n_tok = sum(len(r.generated) for r in reqs)
+        dt, n_tok = time.perf_counter() - t0, sum(len(r.generated) for r in reqs)
         acc = [a for r in reqs for a in r.accept_lengths]
         self.stats = dict(tokens=n_tok, seconds=dt, tokens_per_s=n_tok / dt, decode_rounds=rounds,
-                          preemptions=self.preemptions,
-                          mean_accept_length=sum(acc) / len(acc) if acc else None,
+                          preemptions=self.preemptions, mean_accept_length=sum(acc) / len(acc) if acc else None,
                           accept_histogram={n: acc.count(n) for n in range(1, self.k + 2)} if self.k else {})
-        return results
+        return [Result(r.generated, self.tokenizer.decode(r.generated), r.accept_lengths,
+                       (torch.stack(r.logits) if r.logits else torch.zeros(0, self.cfg.vocab_size))
+                       if return_logits else None, r.finish) for r in reqs]
 
     def encode(self, prompt, thinking=False, raw=False):
         if not isinstance(prompt, str):
             return [int(t) for t in prompt]
         text = BOS + prompt if raw else encode_chat([{"role": "user", "content": prompt}], thinking)
         return self.tokenizer.encode(text, add_special_tokens=False).ids
-
-    def _admit(self):
-        while self.waiting and len(self.running) < self.max_batch:
-            r = self.waiting[0]
-            if not self._reserve(r, r.prefill_target + self.k + 1):  # prompt, then the first drafts
-                break
-            self.running.append(self.waiting.pop(0))
 
     def _emit(self, r, new_tokens, logits_rows):
         """Append emitted tokens, stopping at EOS or max_new_tokens (a finished request retires after the step)."""
@@ -1560,17 +1352,13 @@ class LLM:
             self._release(r)
 
     def _sample(self, r, logits):
-        """One token from logits [V]: argmax (greedy) or a draw from the temperature / top-p distribution, which is
-        returned too (for a draft, it is the q of the acceptance test)."""
-        if r.temperature == 0:
-            return int(logits.argmax()), None
-        p = probs_from_logits(logits[None], r.temperature, r.top_p)[0]
-        return int(sample_no_sync(p, r.gen)), p
+        """One token from logits [V]: the argmax (greedy) or a draw from the temperature / top-p distribution."""
+        return int(logits.argmax()) if r.temperature == 0 else \
+            int(sample_no_sync(probs_from_logits(logits[None], r.temperature, r.top_p)[0], r.gen))
 
     def _pick(self, reqs, logits, j):
-        """Draft token j of each request from the MTP logits [B, V], on the device (no host round trip): the argmax,
-        or for a sampling request a draw from its distribution q, kept for the acceptance test. (Tests swap in an
-        oracle here.)"""
+        """Draft token j of each request from the MTP logits [B, V], on the device: the argmax, or a draw from the
+        request's distribution q, kept for the acceptance test. (Tests swap in an oracle here.)"""
         tokens, q = logits.argmax(-1), [None] * len(reqs)
         for b, r in enumerate(reqs):
             if r.temperature > 0:
@@ -1579,23 +1367,23 @@ class LLM:
         return tokens, q
 
     def _prefill_step(self, reqs):
-        chunks, budget = [], self.max_prefill_tokens
+        """Prompt chunks, up to max_prefill_tokens rows in all, through the main model, then the MTP layer."""
+        chunks, budget = [], self.max_prefill_tokens            # (request, first position, length)
         for r in reqs:
-            n = min(r.prefill_target - r.num_cached, budget)
-            if n <= 0:
+            if (n := min(r.prefill_target - r.num_cached, budget)) <= 0:
                 break
             chunks.append((r, r.num_cached, n))
             budget -= n
-        reqs = [c[0] for c in chunks]
-        meta = Meta.build("prefill", [s for _, s, _ in chunks], [n for _, _, n in chunks], self._table(reqs))
+        reqs, starts, lens = zip(*chunks)
+        meta = Meta.build("prefill", starts, lens, self._table(reqs))
         tokens = torch.tensor([t for r, s, n in chunks for t in r.tokens[s:s + n]], device=self.device)
         h = self.model(tokens, meta, self.cache)
-        last = [meta.cu_seqlens[b + 1] - 1 for b in range(len(chunks))]
+        last = [c - 1 for c in meta.cu_seqlens[1:]]
         logits = self.model.logits(h[last])
         for b, (r, s, n) in enumerate(chunks):
             r.num_cached += n
             if r.num_cached == len(r.tokens):                            # fresh prompt done: sample token 1
-                self._emit(r, [self._sample(r, logits[b])[0]], logits[b:b + 1])
+                self._emit(r, [self._sample(r, logits[b])], logits[b:b + 1])
         if self.k == 0:
             return self._retire()
         # MTP over the same chunk: position p pairs the main hidden h_p with the next token x_{p+1}
@@ -1609,42 +1397,44 @@ class LLM:
         self._retire()
 
     def _forward(self, kind, tokens, meta, h=None, j=0):
-        """One forward pass of the decode round: 'verify' (the main model over verify / decode rows), 'extend' (the
-        MTP layer over the same rows), 'draft' (the MTP layer, one row per request). A CUDA graph replay when the
-        engine has them, else eager."""
+        """A forward pass of the decode round, replayed from a CUDA graph where the engine has them: 'verify' (the main
+        model, k + 1 rows per request), 'extend' (the MTP layer over the same rows), 'draft' (MTP, 1 row each)."""
         if self.graphs:
             return self.graphs.run(kind, tokens, meta, h, j)
-        if kind == "verify":
-            return self.model(tokens, meta, self.cache)
-        return self.model.mtp_forward(tokens, h, meta, self.cache, j)
+        return self.model(tokens, meta, self.cache) if kind == "verify" else \
+            self.model.mtp_forward(tokens, h, meta, self.cache, j)
 
     def _draft(self, reqs, h):
         """k draft tokens per request, left on the device (r.draft [k]): the first from the MTP row that just ran at
-        position L-1 (hidden h), the rest from k-1 MTP decode steps, rows at L-1+j, each its own causal length.
-        Their metadata is built once and shifted per step (Meta.step), and their plans are shared where equal."""
-        mtp, drafts, qs, meta = self.model.mtp, [], [], None
+        position L-1 (hidden h), the rest from k-1 MTP decode steps at L-1+j, over one Meta shifted per step."""
+        mtp, picks, meta = self.model.mtp, [], None                     # picks: (tokens [B], q) per draft step
         for j in range(self.k):
             if j > 0:
                 meta = meta.step(1) if meta else self._meta("decode", reqs, [r.num_cached for r in reqs], 1)
-                h = self._forward("draft", drafts[-1], meta, h, j=min(j, len(mtp) - 1))
-            tokens, q = self._pick(reqs, mtp[min(j, len(mtp) - 1)].logits(h), j)
-            drafts.append(tokens)
-            qs.append(q)
-        drafts = torch.stack(drafts, 1)                                           # [B, k]
+                h = self._forward("draft", picks[-1][0], meta, h, j=min(j, len(mtp) - 1))
+            picks.append(self._pick(reqs, mtp[min(j, len(mtp) - 1)].logits(h), j))
+        drafts = torch.stack([tokens for tokens, _ in picks], 1)                # [B, k]
         for b, r in enumerate(reqs):
             r.draft = drafts[b]
-            r.q = torch.stack([q[b] for q in qs]) if r.temperature > 0 else None
+            r.q = torch.stack([q[b] for _, q in picks]) if r.temperature > 0 else None
 
     def _meta(self, mode, reqs, starts, n):
         return Meta.build(mode, starts, [n] * len(reqs), self._table(reqs))
 
     def _decode_round(self, reqs):
-        """Verify every request's k drafts in one main-model pass of decode rows (k + 1 per request), accept, run the
-        MTP layer over the same rows (draft-extend; rows past a request's accepted tokens are padding, so the shape
-        and the metadata do not depend on what was accepted), draft k new tokens. Greedy requests are settled on the
-        device and read back once per round, together."""
+        """Verify every request's k drafts in one main-model pass (k + 1 decode rows each), accept, run the MTP layer
+        over the same rows (draft-extend: rows past the accepted tokens are padding, so shapes and metadata do not
+        depend on what was accepted), draft k new tokens. One read-back per round settles the greedy requests."""
         k = self.k
-        reqs = self._reserve_or_preempt(reqs, lambda r: r.num_cached + 2 * k + 1)
+        for r in list(reqs):    # pages for the round; a full pool preempts the newest request, to be recomputed later
+            while r in self.running and not self._reserve(r, r.num_cached + 2 * k + 1):
+                victim = self.running.pop()                          # newest admitted
+                self._release(victim)
+                self.preemptions += 1
+                victim.num_cached, victim.draft, victim.q = 0, None, None
+                victim.prefill_target = len(victim.tokens) - 1       # its last token is known: no resampling
+                self.waiting.insert(0, victim)
+        reqs = [r for r in reqs if r in self.running]
         if not reqs:
             return
         B, L = len(reqs), [r.num_cached for r in reqs]
@@ -1663,7 +1453,7 @@ class LLM:
             elif k:                                                              # sampling reads its own draws
                 new = speculative_accept(r.draft.tolist(), r.q, logits[b], r.temperature, r.top_p, r.gen)
             else:
-                new = [self._sample(r, logits[b, 0])[0]]
+                new = [self._sample(r, logits[b, 0])]
             if k:
                 r.accept_lengths.append(len(new))
             r.num_cached += len(new)                              # x_L and the accepted drafts now have KV
@@ -1681,30 +1471,25 @@ class LLM:
 
 
 def graph_buckets(max_bs, rows_per_req, tp=1):
-    """The batch sizes captured for a step of rows_per_req rows per request: 1, 2, 4, 8, then every 16, up to the
-    first size >= max_bs, keeping the sizes whose row count splits evenly over tp ranks (SGLang's rule, so that at
-    TP 8 a bs=1 verify of 4 rows pads to bs=2, 8 rows, not to bs=8, 32 rows)."""
+    """Batch sizes captured for rows_per_req rows per request: 1, 2, 4, 8, then every 16 up to the first >= max_bs,
+    those whose rows split evenly over tp ranks (SGLang's rule: at TP 8, bs=1 with 4 rows pads to bs=2, not 8)."""
     step = tp // math.gcd(tp, rows_per_req)                  # bs must be a multiple of this
     top = -(-max_bs // step) * step
     return [b for b in sorted({1, 2, 4, 8, *range(16, top, 16), top}) if b <= top and b % step == 0]
 
 
 class CudaGraphs:
-    """The decode round's forward passes as CUDA graphs, one per batch-size bucket (in the spirit of nano-vllm's
-    runner): 'verify' (the main model over k + 1 rows per request; plain decode: 1), 'extend' (the MTP layer over
-    the same rows) and 'draft' (the MTP layer over one row per request, replayed for each of the k - 1 draft
-    steps). A replay copies the step's inputs and metadata into static buffers; rows of padding requests write the
-    dummy slot 0 and read one position. The attention plan (ops.plan: host work, exact lengths) is made before each
-    replay, outside the graph. The indexer's width is a shape too, so a graph is captured per context bound as well:
-    index_topk (every row selects its whole context) at start, the powers of two above it on first use."""
+    """The decode round's forward passes ('verify', 'extend', 'draft': see LLM._forward) as CUDA graphs, one per
+    batch-size bucket and context bound (the indexer's width is a shape: index_topk at start, powers of two above it
+    on first use). A replay copies the step's inputs into static buffers (padding rows write the dummy slot 0 and
+    read one position) after making the step's attention plan (ops.plan: host work, exact lengths)."""
     def __init__(self, llm):
         cfg, dev, k, t0 = llm.cfg, llm.device, llm.k, time.perf_counter()
         self.llm, self.rows = llm, dict(verify=k + 1, extend=k + 1, draft=1)
         kinds = ["verify"] + ["extend"] * (k > 0) + ["draft"] * (k > 1)
         self.buckets = {kind: graph_buckets(llm.max_batch, self.rows[kind], tp_size()) for kind in kinds}
         max_bs = max(b[-1] for b in self.buckets.values())
-        rows = max_bs * (k + 1)
-        self.max_width = -(-(llm.max_context + 2 * k + 2) // llm.page_size) * llm.page_size
+        rows, self.max_width = max_bs * (k + 1), -(-(llm.max_context + 2 * k + 2) // llm.page_size) * llm.page_size
         self.tokens, self.positions, self.slots, self.ctx = (torch.zeros(rows, dtype=torch.long, device=dev)
                                                              for _ in range(4))
         self.h = torch.zeros(rows, cfg.dim, dtype=BF16, device=dev)
@@ -1723,8 +1508,7 @@ class CudaGraphs:
         return topk if max_ctx <= topk else min(1 << (max_ctx - 1).bit_length(), self.max_width)
 
     def _capture(self, kind, bs, width, j):
-        llm, n = self.llm, self.rows[kind]
-        T = bs * n
+        llm, n, T = self.llm, self.rows[kind], bs * self.rows[kind]
         meta = Meta("decode", self.positions[:T], self.slots[:T],
                     torch.arange(bs, device=llm.device).repeat_interleave(n), self.table[:bs, :width], self.ctx[:T],
                     list(range(0, T + 1, n)), torch.ones(T, dtype=torch.long), width, graphed=True)
@@ -1754,24 +1538,18 @@ class CudaGraphs:
                        (self.ctx, meta.ctx_lens)) + (((self.h, h),) if h is not None else ()):
             buf[:T] = x
         self.positions[T:Tp], self.slots[T:Tp], self.ctx[T:Tp] = 0, 0, 1          # padding rows
-        self.table[:B, :meta.table.shape[1]] = meta.table
-        self.table[B:bs, 0] = 0
+        self.table[:B, :meta.table.shape[1]], self.table[B:bs, 0] = meta.table, 0
         static.ctx_host = F.pad(meta.ctx_host, (0, Tp - T), value=1)
         static.plan = self.llm.model.ops.plan(static, self.llm.cfg)      # exact lengths, before the replay
         graph.replay()
         return out[:T]
 
 
-# ------------------------------------------------------------------------------------------------------------
-# CLI
-# ------------------------------------------------------------------------------------------------------------
-class _Parser(__import__("argparse").ArgumentParser):
-    def error(self, message):                                   # one line, no usage dump
-        self.exit(2, f"error: {message}\n")
-
-
+# ---- CLI ---------------------------------------------------------------------------------------------------------
 def main(argv=None):
-    ap = _Parser(description="DeepSeek-V3.2 inference (DSA sparse attention, MTP speculative decoding).")
+    ap = argparse.ArgumentParser(
+        description="DeepSeek-V3.2 inference (DSA sparse attention, MTP speculative decoding).")
+    ap.error = lambda message: ap.exit(2, f"error: {message}\n")          # one line, no usage dump
     ap.add_argument("--model", help="DeepSeek-V3.2 checkpoint directory (default: demo/, a tiny trained one)")
     ap.add_argument("--prompt", action="append", default=[], help="prompt text (repeatable)")
     ap.add_argument("--prompt-file", help="a file with one prompt per line")
@@ -1797,8 +1575,7 @@ def main(argv=None):
                     prompts += [line.rstrip("\n") for line in f if line.strip()]
             except UnicodeDecodeError as e:
                 raise ValueError(f"{args.prompt_file}: not UTF-8 text ({e.reason} at byte {e.start})") from None
-        if not prompts:
-            raise ValueError("give at least one --prompt or a --prompt-file")
+        require(prompts, "give at least one --prompt or a --prompt-file")
         for name, rule in LLM.SAMPLING.items():                # before any work: a model may take minutes to load
             check_arg(name, getattr(args, name), *rule)
         llm = LLM(args.model, device=args.device, mtp=args.mtp, max_context=args.max_context,
@@ -1811,8 +1588,7 @@ def main(argv=None):
             streamed.extend(toks)
             text = llm.tokenizer.decode(streamed)
             if not text.endswith("\ufffd"):
-                sys.stdout.write(text[len(printed[0]):])
-                sys.stdout.flush()
+                print(text[len(printed[0]):], end="", flush=True)
                 printed[0] = text
         results = llm.generate(prompts, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
                                top_p=args.top_p, seed=args.seed, thinking=args.thinking, raw=args.raw,
@@ -1831,11 +1607,8 @@ def main(argv=None):
                                            accept_lengths=r.accept_lengths) for p, r in zip(prompts, results)],
                           "stats": s}))
         return 0
-    if not stream:
-        for p, r in zip(prompts, results):
-            print(f"--- {p!r}\n{r.text}")
-    else:
-        print()
+    for p, r in zip(prompts, results):
+        print(f"--- {p!r}\n{r.text}" if not stream else "")       # streamed: the text is out, end its line
     spec = (f", mean accepted length {s['mean_accept_length']:.2f}, acceptance histogram {s['accept_histogram']}"
             if s["mean_accept_length"] is not None else "")
     print(f"[{s['tokens']} tokens in {s['seconds']:.2f} s, {s['tokens_per_s']:.1f} tokens/s{spec}]", file=sys.stderr)

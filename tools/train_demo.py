@@ -119,6 +119,10 @@ def ste(x, f):
     return x + (f(x.detach()).to(x.dtype) - x).detach() if QAT["on"] else x
 
 
+def fp8_round_trip(x):                       # as the engine caches the latent and rounds the indexer's q / k
+    return m.act_dequant(*m.act_quant(x)).to(m.BF16)
+
+
 def fq_weight(w):
     return m.weight_dequant(*m.quantize_weight(w))
 
@@ -166,7 +170,7 @@ class Indexer(nn.Module):
         k = self.k_norm(fp8_linear(x, self.wk.weight).float())
         q = torch.cat([rope(q[..., :R], cos, sin, False), q[..., R:]], -1)
         k = torch.cat([rope(k[..., :R], cos, sin, False), k[..., R:]], -1)
-        q8, k8 = (ste(m.hadamard(t), m.fp8_round_trip).float() for t in (q, k))   # Hadamard keeps dot products
+        q8, k8 = (ste(m.hadamard(t), fp8_round_trip).float() for t in (q, k))   # Hadamard keeps dot products
         w = f32_linear(x, self.weights_proj.weight) * (c.index_n_heads * c.index_head_dim) ** -0.5
         return (torch.einsum("bshj,btj->bsht", q8, k8).relu() * w[..., None]).sum(2)
 
@@ -190,7 +194,7 @@ class Attention(nn.Module):                  # HF: self_attn
         qr = self.q_a_layernorm(fp8_linear(x, self.q_a_proj.weight))
         q_nope, q_pe = fp8_linear(qr, self.q_b_proj.weight).view(B, S, H, D + R).split([D, R], -1)
         kv, k_pe = fp8_linear(x, self.kv_a_proj_with_mqa.weight).split([C, R], -1)
-        kv = ste(self.kv_a_layernorm(kv), m.fp8_round_trip)                  # the latent cache is FP8
+        kv = ste(self.kv_a_layernorm(kv), fp8_round_trip)                  # the latent cache is FP8
         k_nope, v = fp8_linear(kv, self.kv_b_proj.weight).view(B, S, H, D + V).split([D, V], -1)
         q_pe, k_pe = rope(q_pe, cos, sin, True), rope(k_pe, cos, sin, True)
         scores = (torch.einsum("bshd,bthd->bhst", q_nope, k_nope) +
