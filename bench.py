@@ -228,9 +228,23 @@ def decode(args, out):
     model = random_model(cfg, "cuda")
     t_build, tok_dir = time.perf_counter() - t0, tempfile.mkdtemp()
     m.write_byte_tokenizer(tok_dir, cfg.vocab_size)
+    res, extra = [], dict(kv_tokens_fit=int(torch.cuda.mem_get_info()[0] * 0.9) // m.KVCache.bytes_per_token(cfg))
     print(f"Config.full(n_layers={args.layers}) + MTP built in {t_build:.0f} s; HBM copy {bw / 1e12:.2f} TB/s; "
-          f"KV {m.KVCache.bytes_per_token(cfg)} B/token", flush=True)
-    res, extra = [], {}
+          f"KV {m.KVCache.bytes_per_token(cfg)} B/token; {extra['kv_tokens_fit']} tokens fit in 90% of the free "
+          f"memory", flush=True)
+    if args.prefill:                                   # one long prompt, chunked prefill (eager), then one token
+        llm = m.LLM(tok_dir, device="cuda", mtp=0, model=model, max_prefill_tokens=4096, cuda_graphs=False,
+                    kv_cache_bytes=(args.prefill + 8192) * m.KVCache.bytes_per_token(cfg))
+        prompt = torch.randint(6, cfg.vocab_size, (args.prefill,)).tolist()
+        llm.generate([prompt[:4096]], max_new_tokens=1)                         # warm-up (JIT builds)
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        llm.generate([prompt], max_new_tokens=1)
+        torch.cuda.synchronize()
+        extra["prefill_s"] = time.perf_counter() - t0
+        print(f"prefill of a {args.prefill}-token prompt: {extra['prefill_s']:.2f} s", flush=True)
+        llm = None
+        gc.collect()
     points = [(bs, ctx) for ctx in args.contexts for bs in args.batch if bs * ctx <= args.max_tokens]
     points += [(1, c) for c in args.long]
     for k in args.mtp:
@@ -261,17 +275,17 @@ def decode(args, out):
             key = ("verify", next(b for b in llm.graphs.buckets["verify"] if b >= bs), llm.graphs.width(ctx + k + 1), 0)
             llm._forward("verify", tokens, meta)               # plan + static buffers for this step, then replay alone
             t_layers = cuda_time(llm.graphs.graphs[key][0].replay)
-            allreduce_ms = sum(e.device_time_total for e in kernel_events(llm.graphs.graphs[key][0].replay)
-                               if "nccl" in e.key.lower()) / 1e3 if m.tp_size() > 1 else 0.0
+            parts = time_parts(model, lambda: model(tokens, meta, llm.cache))
             if bs == 1 and ctx == points[0][1]:
                 extra[f"profile_mtp{k}"] = profile_replay(llm.graphs.graphs[key][0].replay, cfg.n_layers)
             for r in reqs:
                 llm._release(r)
             step_b = layers_b + head_b + mtp_b
             row = dict(mtp=k, bs=bs, ctx=ctx, round_ms=ms, tok_per_round=toks, tok_s=toks / ms * 1e3,
-                       step_GB=step_b / 1e9, roofline=step_b / bw / (ms / 1e3),
-                       layers_ms=t_layers, layers_roofline=layers_b / bw / (t_layers / 1e3),
-                       experts=round(statistics.mean(seen), 1) if seen else 0, tp=m.tp_size(), allreduce_ms=allreduce_ms)
+                       tok_s_all_accepted=bs * (k + 1) / ms * 1e3, step_GB=step_b / 1e9,
+                       roofline=step_b / bw / (ms / 1e3), layers_ms=t_layers,
+                       layers_roofline=layers_b / bw / (t_layers / 1e3),
+                       experts=round(statistics.mean(seen), 1) if seen else 0, tp=m.tp_size(), **parts)
             res.append(row)
             print(row, flush=True)
         # CUDA graphs vs eager, bs=1 at the first context
@@ -288,8 +302,9 @@ def decode(args, out):
         gc.collect()
     table(f"Decode rounds, Config.full(n_layers={args.layers}) + MTP layer, CUDA graphs; roofline = bytes the round "
           f"must read / measured HBM bandwidth ({bw / 1e12:.2f} TB/s) / round time",
-          ["mtp", "bs", "ctx", "round ms", "tokens/round", "tokens/s", "GB/round", "roofline", "layers ms (graph)",
-           "layers roofline", "experts/MoE layer", "TP ranks", "all-reduce ms (layers graph)"],
+          ["mtp", "bs", "ctx", "round ms", "tokens/round", "tokens/s", "tokens/s if all drafts accepted", "GB/round",
+           "roofline", "layers ms (graph)", "layers roofline", "experts/MoE layer", "TP ranks", "attention ms",
+           "indexer ms", "MoE ms", "all-reduce ms"],
           [tuple(r.values()) for r in res])
     table("CUDA graphs vs eager (bs=1)", ["what", "eager ms", "graphs ms", "capture s", "graphs"],
           [(k_, *v.values()) for k_, v in extra.items() if k_.startswith("eager")])
@@ -326,15 +341,36 @@ def verify_attention(out):
     out["verify_attention"] = res
 
 
-def kernel_events(fn):
-    """The CUDA kernels of one call of fn (torch.profiler), totals per kernel name."""
+def kernel_events(fn, all_events=False):
+    """The CUDA kernels of one call of fn (torch.profiler), totals per kernel name (all_events: ranges too)."""
     from torch.profiler import profile, ProfilerActivity
     fn()
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         fn()
         torch.cuda.synchronize()
-    return [e for e in prof.key_averages() if e.device_type.name == "CUDA"]
+    return [e for e in prof.key_averages() if all_events or e.device_type.name == "CUDA"]
+
+
+def time_parts(model, fn):
+    """Kernel time (ms) of one eager call of fn split by module, with torch.profiler ranges opened and closed by
+    forward hooks: attention (MLA without its indexer), indexer, MoE (routed + shared experts), all-reduce (NCCL
+    kernels), other (embedding, norms, head). The graph replays the same kernels."""
+    from torch.profiler import record_function
+    open_, hooks = [], []
+    for mod in model.modules():
+        name = {m.Indexer: "indexer", m.MLA: "mla", m.MoE: "moe"}.get(type(mod))
+        if name:
+            hooks += [mod.register_forward_pre_hook(lambda *_, n=name: open_.append(record_function(n).__enter__())),
+                      mod.register_forward_hook(lambda *_: open_.pop().__exit__(None, None, None))]
+    try:
+        ev = {e.key: e.device_time_total / 1e3 for e in kernel_events(fn, all_events=True)}
+    finally:
+        for h in hooks:
+            h.remove()
+    ar = sum(v for k, v in ev.items() if "nccl" in k.lower() and "kernel" in k.lower())
+    return dict(attention_ms=ev.get("mla", 0) - ev.get("indexer", 0), indexer_ms=ev.get("indexer", 0),
+                moe_ms=ev.get("moe", 0), allreduce_ms=ar)
 
 
 def profile_replay(fn, n_layers, top=12):
@@ -484,6 +520,7 @@ def main():
     ap.add_argument("--contexts", type=int, nargs="+", default=[1024, 32768])
     ap.add_argument("--long", type=int, nargs="*", default=[131072], help="contexts measured at batch 1 only")
     ap.add_argument("--max-tokens", type=int, default=64 * 32768, help="skip points above bs x context")
+    ap.add_argument("--prefill", type=int, default=0, help="decode: also time the prefill of a prompt this long")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         sys.exit("bench.py needs a CUDA GPU")
