@@ -275,7 +275,7 @@ def decode(args, out):
             key = ("verify", next(b for b in llm.graphs.buckets["verify"] if b >= bs), llm.graphs.width(ctx + k + 1), 0)
             llm._forward("verify", tokens, meta)               # plan + static buffers for this step, then replay alone
             t_layers = cuda_time(llm.graphs.graphs[key][0].replay)
-            parts = time_parts(model, lambda: model(tokens, meta, llm.cache))
+            parts = time_parts(model, lambda: model(tokens, llm._meta("verify", reqs, [ctx] * bs, k + 1), llm.cache))
             if bs == 1 and ctx == points[0][1]:
                 extra[f"profile_mtp{k}"] = profile_replay(llm.graphs.graphs[key][0].replay, cfg.n_layers)
             for r in reqs:
