@@ -275,7 +275,8 @@ def decode(args, out):
             key = ("verify", next(b for b in llm.graphs.buckets["verify"] if b >= bs), llm.graphs.width(ctx + k + 1), 0)
             llm._forward("verify", tokens, meta)               # plan + static buffers for this step, then replay alone
             t_layers = cuda_time(llm.graphs.graphs[key][0].replay)
-            parts = time_parts(model, lambda: model(tokens, llm._meta("verify", reqs, [ctx] * bs, k + 1), llm.cache))
+            parts = time_parts(model, lambda: model(tokens, llm._meta("verify", reqs, [ctx] * bs, k + 1), llm.cache),
+                               llm.graphs.graphs[key][0].replay)
             if bs == 1 and ctx == points[0][1]:
                 extra[f"profile_mtp{k}"] = profile_replay(llm.graphs.graphs[key][0].replay, cfg.n_layers)
             for r in reqs:
@@ -341,36 +342,43 @@ def verify_attention(out):
     out["verify_attention"] = res
 
 
-def kernel_events(fn, all_events=False):
-    """The CUDA kernels of one call of fn (torch.profiler), totals per kernel name (all_events: ranges too)."""
+def kernel_events(fn):
+    """The CUDA kernels of one call of fn (torch.profiler), totals per kernel name."""
     from torch.profiler import profile, ProfilerActivity
     fn()
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         fn()
         torch.cuda.synchronize()
-    return [e for e in prof.key_averages() if all_events or e.device_type.name == "CUDA"]
+    return [e for e in prof.key_averages() if e.device_type.name == "CUDA"]
 
 
-def time_parts(model, fn):
-    """Kernel time (ms) of one eager call of fn split by module, with torch.profiler ranges opened and closed by
-    forward hooks: attention (MLA without its indexer), indexer, MoE (routed + shared experts), all-reduce (NCCL
-    kernels), other (embedding, norms, head). The graph replays the same kernels."""
-    from torch.profiler import record_function
-    open_, hooks = [], []
+def time_parts(model, fn, replay):
+    """Kernel time (ms) of one step by part: attention (MLA without its indexer), indexer, MoE (routed + shared
+    experts) from one eager call of fn, with torch.profiler ranges opened and closed by forward hooks (a CPU range
+    counts the kernels its ops launched); all-reduce from the NCCL kernels of one graph replay (eager, their time
+    would include the ranks waiting for each other)."""
+    from torch.profiler import profile, ProfilerActivity, record_function
+    open_, hooks, t = [], [], dict(mla=0.0, indexer=0.0, moe=0.0)
     for mod in model.modules():
         name = {m.Indexer: "indexer", m.MLA: "mla", m.MoE: "moe"}.get(type(mod))
         if name:
             hooks += [mod.register_forward_pre_hook(lambda *_, n=name: open_.append(record_function(n).__enter__())),
                       mod.register_forward_hook(lambda *_: open_.pop().__exit__(None, None, None))]
     try:
-        ev = {e.key: e.device_time_total / 1e3 for e in kernel_events(fn, all_events=True)}
+        fn()
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            fn()
+            torch.cuda.synchronize()
     finally:
         for h in hooks:
             h.remove()
-    ar = sum(v for k, v in ev.items() if "nccl" in k.lower() and "kernel" in k.lower())
-    return dict(attention_ms=ev.get("mla", 0) - ev.get("indexer", 0), indexer_ms=ev.get("indexer", 0),
-                moe_ms=ev.get("moe", 0), allreduce_ms=ar)
+    for e in prof.events():
+        if e.device_type.name == "CPU" and e.name in t:
+            t[e.name] += e.device_time_total / 1e3
+    ar = sum(e.device_time_total for e in kernel_events(replay) if "nccl" in e.key.lower()) / 1e3
+    return dict(attention_ms=t["mla"] - t["indexer"], indexer_ms=t["indexer"], moe_ms=t["moe"], allreduce_ms=ar)
 
 
 def profile_replay(fn, n_layers, top=12):
