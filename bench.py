@@ -7,7 +7,8 @@
   python bench.py demo                            # the trained demo model: speculative decoding (--mtp 1, 3) vs none
 
 Random FP8 weights are generated on the GPU (random_model below). The attention micro-benchmarks, the checkpoint
-write/load and the 32K-prompt runs quoted in the README came from this file at commit 4a9f43d.
+write/load and the 32K-prompt runs quoted in the README came from this file at commit 4a9f43d, the torch scaled_mm
+comparison from commit fea361d.
 """
 import argparse
 import gc
@@ -101,7 +102,7 @@ def fp8(args, out):
         for i in range(0, shape[0], 16):
             w[i:i + 16] = torch.randn(w[i:i + 16].shape, generator=gen, device="cuda").to(m.FP8)
         return w, torch.full((*shape[:-2], -(-shape[-2] // 128), shape[-1] // 128), 2.0 ** -7, device="cuda")
-    rows, sm_rows = [], []
+    rows = []
 
     def measure(name, M, read, fn, ref, ref_iters):         # graph, eager, torch reference -> one row; graph time
         t, te = cuda_time(fn, graph=True), cuda_time(fn)
@@ -113,9 +114,8 @@ def fp8(args, out):
         w, s = weight(N, K)
         for M in (1, 4, 16, 64):
             x = torch.randn(M, K, device="cuda").to(m.BF16)
-            t = measure(name, M, N * K + 4 * s.numel() + 2 * M * (K + N), lambda: kernels.fp8_linear(x, w, s),
-                        lambda: m.fp8_linear(x, w, s), 5)
-            sm_rows.append((name, M, t * 1e3) + scaled_mm_time(x, w, s, t))
+            measure(name, M, N * K + 4 * s.numel() + 2 * M * (K + N), lambda: kernels.fp8_linear(x, w, s),
+                    lambda: m.fp8_linear(x, w, s), 5)
     (w13, s13), (w2, s2) = weight(256, 4096, 7168), weight(256, 7168, 2048)
     for M in (1, 4, 16, 64):
         idx = torch.rand(M, 256, generator=gen, device="cuda").topk(8, -1).indices
@@ -124,35 +124,10 @@ def fp8(args, out):
         read = touched * (w13[0].numel() + w2[0].numel() + 4 * (s13[0].numel() + s2[0].numel()))
         measure(f"moe ({touched} experts)", M, read, lambda: kernels.moe(x, wts, idx, w13, s13, w2, s2),
                 lambda: m.moe_experts(x, wts, idx, w13, s13, w2, s2), 3)
-    table("torch blockwise scaled_mm (act-quant by the Triton kernel, scales in column-major) vs the Triton GEMM",
-          ["kernel", "M", "Triton us (graph)", "scaled_mm us (graph)", "Triton speedup", "scaled_mm rel err / note"],
-          sm_rows)
     table(f"FP8 kernels (HBM copy bandwidth measured now: {bw:.2f} TB/s)",
           ["kernel", "M", "MB read", "us (CUDA graph)", "us (eager)", "fraction of HBM bw (graph)",
            "eager speedup vs torch reference"], rows)
     out["hbm_TBps"], out["fp8"] = bw, rows
-
-
-def scaled_mm_time(x, w, s, t_triton):
-    """torch.nn.functional.scaled_mm with 1x128 / 128x128 block scales, the alternative to the Triton GEMM."""
-    import kernels
-    from torch.nn.functional import ScalingType, scaled_mm
-    q, qs = kernels.act_quant(x)
-    pad = -q.shape[0] % 16                                       # cuBLAS wants M in multiples of 16 here
-    q, qs = torch.nn.functional.pad(q.view(torch.uint8), (0, 0, 0, pad)).view(m.FP8), \
-        torch.nn.functional.pad(qs, (0, 0, 0, pad), value=1.0)
-    for sb in (s, s.t(), s.t().contiguous(), s.t().contiguous().t()):     # the layout cuBLAS accepts, first found
-        fn = lambda: scaled_mm(q, w.t(), qs.t().contiguous().t(), ScalingType.BlockWise1x128,  # noqa: E731
-                               sb, ScalingType.BlockWise128x128, output_dtype=m.BF16)
-        try:
-            y = fn()[:x.shape[0]].float()
-            break
-        except Exception as e:                                   # report, do not hide
-            err = " ".join(str(e).split())[:90]
-    else:
-        return (float("nan"), float("nan"), err)
-    ref, t = m.fp8_linear(x, w, s).float(), cuda_time(fn, graph=True)
-    return (t * 1e3, t / t_triton, f"{((y - ref).norm() / ref.norm()).item():.1e}")
 
 
 def decode_batch(llm, bs, ctx, rounds, seed=0):
