@@ -419,8 +419,10 @@ def all_gather(x):
 def end_distributed(graphed):
     """Leave torchrun's process group. NCCL cannot destroy a communicator whose collectives CUDA graphs captured
     (destroy_process_group hangs: pytorch issue 115388), so then the ranks only meet once more and exit."""
-    if dist.is_initialized():
-        dist.barrier() if graphed else dist.destroy_process_group()
+    if dist.is_initialized() and graphed:
+        dist.barrier()
+    elif dist.is_initialized():
+        dist.destroy_process_group()
 
 
 def rank_slice(full, part):
