@@ -2,9 +2,12 @@
 
 Run: python -m pytest -q test_nano.py        (CPU; GPU tests are marked `gpu` and skip without CUDA)
 
-On CPU the engine accumulates matmuls in fp64 (see `acc_dtype`), so two formulations that are the same math agree
-to fp64 rounding before the shared bf16 roundings: where a test compares such paths it demands (near) equality.
+On CPU the engine accumulates matmuls in fp64 (see `acc_dtype`), so two formulations that are the same math
+agree to fp64 rounding before the shared bf16 roundings: where a test compares such paths it demands (near)
+equality.
 """
+
+import contextlib
 import json
 import math
 import os
@@ -17,6 +20,13 @@ import torch
 import torch.nn.functional as F
 
 import nano_nsa as m
+from tools.checkpoint import (
+    hf_config,
+    random_model,
+    random_weight,
+    save_random_checkpoint,
+    write_byte_tokenizer,
+)
 
 SHARED = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "shared")
 
@@ -27,7 +37,7 @@ SHARED = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "shared"
 @pytest.fixture(scope="session")
 def tiny_dir(tmp_path_factory):
     path = str(tmp_path_factory.mktemp("tiny"))
-    m.save_random_checkpoint(path, m.Config.tiny(), seed=0, shard_bytes=1 << 20)   # several shards
+    save_random_checkpoint(path, m.Config.tiny(), seed=0, shard_bytes=1 << 20)  # several shards
     return path
 
 
@@ -55,7 +65,10 @@ def rope_ref(x, pos, cfg, interleaved):
     """RoPE through complex multiplication, as the reference `apply_rotary_emb` (x [S, ..., R])."""
     d = cfg.qk_rope_head_dim
     f = 1.0 / (cfg.rope_theta ** (torch.arange(0, d, 2, dtype=torch.float32) / d))
-    corr = lambda r: d * math.log(cfg.original_seq_len / (r * 2 * math.pi)) / (2 * math.log(cfg.rope_theta))  # noqa
+
+    def corr(r):
+        return d * math.log(cfg.original_seq_len / (r * 2 * math.pi)) / (2 * math.log(cfg.rope_theta))
+
     lo, hi = max(math.floor(corr(cfg.beta_fast)), 0), min(math.ceil(corr(cfg.beta_slow)), d - 1)
     smooth = 1 - ((torch.arange(d // 2, dtype=torch.float32) - lo) / (hi - lo)).clamp(0, 1)
     f = f / cfg.rope_factor * (1 - smooth) + f * smooth
@@ -74,13 +87,14 @@ def rope_ref(x, pos, cfg, interleaved):
 def capture(module, store, what="input"):
     def hook(mod, args, out):
         store.append(args if what == "input" else out)
+
     return module.register_forward_hook(hook)
 
 
 def single_prefill(model, tokens, num_slots=512):
     """Run one sequence from position 0; returns (hidden, meta, cache)."""
     cache = m.KVCache(model.cfg, num_slots)
-    table = torch.randperm(num_slots)[None]                 # a scattered page table: slots are looked up
+    table = torch.randperm(num_slots)[None]  # a scattered page table: slots are looked up
     meta = m.Meta.build("prefill", [0], [len(tokens)], table)
     return model(tokens, meta, cache), meta, cache
 
@@ -117,7 +131,7 @@ def assert_bf16_close(got, want, what):
     """`got` was rounded to bf16 once from a value equal to `want` up to fp64 rounding: half a bf16 ulp (2^-9
     relative) apart, plus an absolute floor for entries near zero."""
     err = (got.double() - want.double()).abs()
-    bound = 2 ** -8 * want.double().abs() + 1e-6 * want.double().abs().max()
+    bound = 2**-8 * want.double().abs() + 1e-6 * want.double().abs().max()
     assert (err <= bound).all(), f"{what}: max err {err.max():.3e}, max |want| {want.abs().max():.3e}"
 
 
@@ -127,9 +141,9 @@ def assert_bf16_close(got, want, what):
 def test_config_json_round_trip(tmp_path):
     for cfg in (m.Config.tiny(), m.Config.full(), m.Config.full(n_layers=2)):
         with open(tmp_path / "config.json", "w") as f:
-            json.dump(cfg.to_hf(), f)
+            json.dump(hf_config(cfg), f)
         assert m.Config.from_json(str(tmp_path)) == cfg
-    hf = m.Config.full().to_hf()
+    hf = hf_config(m.Config.full())
     assert hf["num_hidden_layers"] == 61 and hf["first_k_dense_replace"] == 3 and hf["n_group"] == 8
     assert hf["quantization_config"]["weight_block_size"] == [128, 128]
     assert abs(m.Config.full().softmax_scale - 0.1352337788608801) < 1e-12
@@ -139,19 +153,21 @@ def test_config_rejects_other_models(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama", "hidden_size": 4096}))
     with pytest.raises(ValueError, match="not a DeepSeek-V3.2 config"):
         m.Config.from_json(str(tmp_path))
-    hf = m.Config.tiny().to_hf()
+    hf = hf_config(m.Config.tiny())
     hf["quantization_config"]["scale_fmt"] = None
     (tmp_path / "config.json").write_text(json.dumps(hf))
     with pytest.raises(ValueError, match="scale_fmt None is not supported"):
         m.Config.from_json(str(tmp_path))
-    hf["quantization_config"]["scale_fmt"], hf["n_group"] = "ue8m0", 3
+    hf["quantization_config"]["scale_fmt"] = "ue8m0"
+    hf["n_group"] = 3
     (tmp_path / "config.json").write_text(json.dumps(hf))
     with pytest.raises(ValueError, match="invalid DeepSeek-V3.2 config: experts must split evenly"):
         m.Config.from_json(str(tmp_path))
 
 
 def test_full_checkpoint_names_and_shapes():
-    """Spot-check the 671B tensor table against spec 2.1 / 2.3 (names, shapes, scale shapes incl. edge blocks)."""
+    """Spot-check the 671B tensor table against spec 2.1 / 2.3 (names, shapes, scale shapes incl. edge
+    blocks)."""
     t = m.checkpoint_tensors(m.Config.full())
     L = "model.layers."
     assert t[L + "0.self_attn.kv_a_proj_with_mqa.weight_scale_inv"][0] == [5, 56]
@@ -163,7 +179,9 @@ def test_full_checkpoint_names_and_shapes():
     assert t[L + "2.mlp.down_proj.weight_scale_inv"][0] == [56, 144]
     assert t[L + "3.mlp.experts.255.up_proj.weight_scale_inv"][0] == [16, 56]
     assert t[L + "60.mlp.gate.e_score_correction_bias"] == ([256], "f32")
-    assert t[L + "61.eh_proj.weight"] == ([7168, 14336], "bf16") and L + "61.eh_proj.weight_scale_inv" not in t
+    assert (
+        t[L + "61.eh_proj.weight"] == ([7168, 14336], "bf16") and L + "61.eh_proj.weight_scale_inv" not in t
+    )
     assert t[L + "61.shared_head.head.weight"][0] == [129280, 7168]
     assert L + "61.mlp.experts.0.gate_proj.weight" in t and L + "62.enorm.weight" not in t
     assert len([k for k in t if k.startswith(L + "61.") and k.endswith("_proj.weight")]) == 3 * 257 + 6
@@ -178,9 +196,11 @@ def test_full_width_model_matches_checkpoint_table():
         model = m.Transformer(cfg)
     params = dict(model.named_parameters())
     filled = dict.fromkeys(params, 0)
-    for k, (shape, kind) in m.checkpoint_tensors(cfg).items():
+    for k, (shape, _kind) in m.checkpoint_tensors(cfg).items():
         assert list(m.load_target(params, cfg, k).shape) == shape, k
-        owner = m.EXPERT.sub(lambda h: f"{h[1]}.{'w2' if h[3] == 'w2' else 'w13'}.{h[4]}", m.ours_name(cfg, k))
+        owner = m.EXPERT.sub(
+            lambda h: f"{h[1]}.{'w2' if h[3] == 'w2' else 'w13'}.{h[4]}", m.ours_name(cfg, k)
+        )
         filled[owner] += math.prod(shape)
     assert filled == {k: p.numel() for k, p in params.items()}
 
@@ -198,6 +218,7 @@ def test_random_checkpoint_activations_stay_realistic(model):
 
 def test_write_load_round_trip_exact(tiny_dir, model):
     from safetensors.torch import load_file
+
     with open(os.path.join(tiny_dir, "model.safetensors.index.json")) as f:
         index = json.load(f)
     files = sorted(set(index["weight_map"].values()))
@@ -211,7 +232,7 @@ def test_write_load_round_trip_exact(tiny_dir, model):
             p = m.load_target(params, model.cfg, name)
             kind = expected[name][1]
             assert p.dtype == {"fp8": torch.float8_e4m3fn, "scale": torch.float32}.get(kind, p.dtype)
-            assert torch.equal(p.float(), t.float()), name                    # bit-exact, upcasts are exact
+            assert torch.equal(p.float(), t.float()), name  # bit-exact, upcasts are exact
             seen.add(name)
     assert seen == set(expected)
     assert model.layers[0].attn.wq_a.weight.dtype == torch.float8_e4m3fn
@@ -219,9 +240,9 @@ def test_write_load_round_trip_exact(tiny_dir, model):
 
 
 def test_random_model_on_device_equals_written_checkpoint(tiny_dir, model):
-    """bench.random_model (its GPU-side generator) follows the writer's recipe: on CPU it gives the same tensors."""
-    import bench
-    built = bench.random_model(m.Config.tiny(), "cpu", seed=0)
+    """random_model (its GPU-side generator) follows the writer's recipe: on CPU it gives the same
+    tensors."""
+    built = random_model(m.Config.tiny(), "cpu", seed=0)
     want = dict(model.named_parameters())
     for name, p in built.named_parameters():
         assert torch.equal(p.float(), want[name].float()), name
@@ -230,6 +251,7 @@ def test_random_model_on_device_equals_written_checkpoint(tiny_dir, model):
 @pytest.mark.parametrize("fault", ["missing", "unexpected", "shape", "dtype"])
 def test_loader_rejects_bad_tensors(tiny_dir, tmp_path, fault):
     from safetensors.torch import load_file, save_file
+
     bad = str(tmp_path / "bad")
     shutil.copytree(tiny_dir, bad)
     with open(os.path.join(bad, "model.safetensors.index.json")) as f:
@@ -265,16 +287,17 @@ def test_fp8_block_dequant_matches_source(model):
             continue
         w8, s = m.load_target(params, cfg, name), m.load_target(params, cfg, name + "_scale_inv")
         assert torch.equal(s, 2.0 ** torch.log2(s).round()), f"{name}: scales are not powers of two"
-        src = m.random_weight(name, shape, kind, seed=0)
+        src = random_weight(name, shape, kind, seed=0)
         deq = m.weight_dequant(w8, s)
-        s_full = s.repeat_interleave(128, 0)[:shape[0]].repeat_interleave(128, 1)[:, :shape[1]]
+        s_full = s.repeat_interleave(128, 0)[: shape[0]].repeat_interleave(128, 1)[:, : shape[1]]
         err = (deq - src).abs()
-        # e4m3: 3 mantissa bits -> half-ulp 2^-4 relative for normals; subnormal spacing 2^-9 times the block scale
-        assert (err <= 2 ** -4 * src.abs() + 2 ** -10 * s_full).all(), name
+        # e4m3: 3 mantissa bits -> half-ulp 2^-4 relative for normals; subnormal spacing 2^-9 times the block
+        # scale
+        assert (err <= 2**-4 * src.abs() + 2**-10 * s_full).all(), name
         assert err.max() > 0, f"{name}: no quantization happened"
         if shape[0] % 128:
             edge = slice(shape[0] // 128 * 128, shape[0])
-            assert (err[edge] <= 2 ** -4 * src[edge].abs() + 2 ** -10 * s_full[edge]).all()
+            assert (err[edge] <= 2**-4 * src[edge].abs() + 2**-10 * s_full[edge]).all()
             checked_edge = True
     assert checked_edge, "no weight with a partial edge block was checked"
 
@@ -300,7 +323,7 @@ def test_cached_latent_is_fp8_round_tripped(model):
     attn = model.layers[1].attn
     got, _, meta, cache = prefill_capturing(model, 40, 1, {"x": (attn, "input")})
     x = got["x"][0]
-    kv = attn.kv_norm(attn.wkv_a(x)[:, :model.cfg.kv_lora_rank])
+    kv = attn.kv_norm(attn.wkv_a(x)[:, : model.cfg.kv_lora_rank])
     cached = cache.layer(1).kv[meta.slots]
     assert torch.equal(cached.double(), fake_quant_ref(kv))
     assert not torch.equal(cached, kv), "the latent was cached without the FP8 round trip"
@@ -308,8 +331,11 @@ def test_cached_latent_is_fp8_round_tripped(model):
 
 def test_indexer_key_uses_hadamard(model):
     got, _, meta, cache = prefill_capturing(model, 30, 2, {"x": (model.layers[0].attn, "input")})
-    cfg, idx, x = model.cfg, model.layers[0].attn.indexer, got["x"][0]
-    k = F.layer_norm(idx.wk(x).float(), (128,), idx.k_norm.weight, idx.k_norm.bias, cfg.eps).to(torch.bfloat16)
+    cfg = model.cfg
+    idx = model.layers[0].attn.indexer
+    x = got["x"][0]
+    k = F.layer_norm(idx.wk(x).float(), (128,), idx.k_norm.weight, idx.k_norm.bias, cfg.eps)
+    k = k.to(torch.bfloat16)
     k = torch.cat([rope_ref(k[:, :64], meta.positions, cfg, interleaved=False), k[:, 64:]], -1)
     with_h = fake_quant_ref((k.double() @ sylvester(128) / math.sqrt(128)).to(torch.bfloat16))
     without_h = fake_quant_ref(k)
@@ -338,7 +364,7 @@ def test_hadamard_and_rope_match_references():
     y = torch.randn(5, 3, 64).to(torch.bfloat16)
     for inter in (True, False):
         got, want = m.rope(y, cos, sin, interleaved=inter), rope_ref(y, pos, cfg, interleaved=inter)
-        assert (got.float() - want.float()).abs().max() <= 2 ** -7 * want.float().abs().max()
+        assert (got.float() - want.float()).abs().max() <= 2**-7 * want.float().abs().max()
     assert not torch.equal(m.rope(y, cos, sin, True), m.rope(y, cos, sin, False))
 
 
@@ -363,14 +389,15 @@ def _prefill_then_decode(model, prompt, extra):
 
 def test_absorbed_decode_equals_naive_per_head_mla(model):
     torch.manual_seed(5)
-    prompt, extra = torch.randint(6, model.cfg.vocab_size, (50,)), torch.randint(6, model.cfg.vocab_size, (3,))
+    prompt = torch.randint(6, model.cfg.vocab_size, (50,))
+    extra = torch.randint(6, model.cfg.vocab_size, (3,))
     attn, x, sel, o, meta, cache = _prefill_then_decode(model, prompt, extra)
     n = int(meta.ctx_lens.max())
     ctx = meta.table[0, :n]
     allowed = torch.zeros(len(extra), n, dtype=torch.bool)
     for t in range(len(extra)):
         allowed[t, sel[t][sel[t] >= 0]] = True
-    assert allowed.sum(1).tolist() == [model.cfg.index_topk] * 3          # 51..53 context, top-32 each
+    assert allowed.sum(1).tolist() == [model.cfg.index_topk] * 3  # 51..53 context, top-32 each
     want = naive_mla(attn, x, meta.positions, cache.layer(1).kv[ctx], cache.layer(1).pe[ctx], allowed)
     assert_bf16_close(o, want, "absorbed vs per-head")
 
@@ -387,21 +414,26 @@ def test_sparse_with_topk_covering_context_equals_dense(model, monkeypatch):
 
 def test_indexer_selects_true_topk_and_attention_is_masked_dense(model):
     cfg = model.cfg
-    S, attn = 90, model.layers[1].attn
-    got, _, meta, cache = prefill_capturing(model, S, 7, {"x": (attn, "input"), "sel": (attn.indexer, "output"),
-                                                          "o": (attn.wo, "input")})
-    x, sel = got["x"][0], got["sel"]
+    S = 90
+    attn = model.layers[1].attn
+    got, _, meta, cache = prefill_capturing(
+        model, S, 7, {"x": (attn, "input"), "sel": (attn.indexer, "output"), "o": (attn.wo, "input")}
+    )
+    x = got["x"][0]
+    sel = got["sel"]
     # independent fp32 recomputation of I[s, t] (spec 3.7), explicit Hadamard matrix and FP8 fake-quantization
-    idx, H = attn.indexer, sylvester(128) / math.sqrt(128)
+    idx = attn.indexer
+    H = sylvester(128) / math.sqrt(128)
     qr = attn.q_norm(attn.wq_a(x))
     q = idx.wq_b(qr).view(S, cfg.index_n_heads, 128)
     q = torch.cat([rope_ref(q[..., :64], meta.positions, cfg, False), q[..., 64:]], -1)
-    k = F.layer_norm(idx.wk(x).float(), (128,), idx.k_norm.weight, idx.k_norm.bias, cfg.eps).to(torch.bfloat16)
+    k = F.layer_norm(idx.wk(x).float(), (128,), idx.k_norm.weight, idx.k_norm.bias, cfg.eps)
+    k = k.to(torch.bfloat16)
     k = torch.cat([rope_ref(k[:, :64], meta.positions, cfg, False), k[:, 64:]], -1)
     qh = fake_quant_ref((q.double() @ H).to(torch.bfloat16))
     kh = fake_quant_ref((k.double() @ H).to(torch.bfloat16))
-    w = x.double() @ idx.weights_proj.weight.double().T * cfg.index_n_heads ** -0.5 * 128 ** -0.5
-    scores = torch.einsum("shd,td->sht", qh, kh).relu().mul(w[..., None]).sum(1).float()   # [S, S]
+    w = x.double() @ idx.weights_proj.weight.double().T * cfg.index_n_heads**-0.5 * 128**-0.5
+    scores = torch.einsum("shd,td->sht", qh, kh).relu().mul(w[..., None]).sum(1).float()  # [S, S]
     causal = torch.ones(S, S, dtype=torch.bool).tril()
     scores = scores.masked_fill(~causal, float("-inf"))
     checked = 0
@@ -411,17 +443,20 @@ def test_indexer_selects_true_topk_and_attention_is_masked_dense(model):
         assert len(picked) == n and len(set(picked.tolist())) == n and (picked <= s).all()
         if s + 1 > cfg.index_topk:
             kth = scores[s].topk(n).values[-1]
-            tol = 1e-5 * scores[s, :s + 1].abs().max()
+            tol = 1e-5 * scores[s, : s + 1].abs().max()
             chosen = torch.zeros(S, dtype=torch.bool)
             chosen[picked] = True
-            assert (scores[s][chosen] >= kth - tol).all() and (scores[s][~chosen & causal[s]] <= kth + tol).all()
+            others = scores[s][~chosen & causal[s]]
+            assert (scores[s][chosen] >= kth - tol).all() and (others <= kth + tol).all()
             checked += 1
     assert checked == S - cfg.index_topk
     allowed = torch.zeros(S, S, dtype=torch.bool)
     for s in range(S):
         allowed[s, sel[s][sel[s] >= 0]] = True
     assert not torch.equal(allowed, causal)
-    want = naive_mla(attn, x, meta.positions, cache.layer(1).kv[meta.slots], cache.layer(1).pe[meta.slots], allowed)
+    want = naive_mla(
+        attn, x, meta.positions, cache.layer(1).kv[meta.slots], cache.layer(1).pe[meta.slots], allowed
+    )
     assert_bf16_close(got["o"][0], want, "sparse attention vs dense masked to the selection")
 
 
@@ -429,21 +464,29 @@ def test_indexer_selects_true_topk_and_attention_is_masked_dense(model):
 # whole model: decode vs prefill, chunked prefill, MTP
 # ------------------------------------------------------------------------------------------------------------
 def test_decode_token_by_token_equals_prefill(model):
-    """Several requests batched, contexts past index_topk. On CPU the two paths compute the same sums in fp64 and
-    round to bf16 at the same points, so logits agree to fp64 rounding (bound 1e-4 relative; observed: equal)."""
+    """Several requests batched, contexts past index_topk. On CPU the two paths compute the same sums in fp64
+    and round to bf16 at the same points, so logits agree to fp64 rounding (bound 1e-4 relative; observed:
+    equal)."""
     cfg = model.cfg
     torch.manual_seed(8)
-    lens, steps = [45, 20, 33], 6
+    lens = [45, 20, 33]
+    steps = 6
     seqs = [torch.randint(6, cfg.vocab_size, (n + steps,)) for n in lens]
     table = torch.randperm(3 * 128).view(3, 128)
     ref_cache = m.KVCache(cfg, 3 * 128)
     full = m.Meta.build("prefill", [0] * 3, [len(s) for s in seqs], table)
     ref = model.logits(model(torch.cat(seqs), full, ref_cache))
     cache = m.KVCache(cfg, 3 * 128)
-    model(torch.cat([s[:n] for s, n in zip(seqs, lens)]), m.Meta.build("prefill", [0] * 3, lens, table), cache)
+    model(
+        torch.cat([s[:n] for s, n in zip(seqs, lens, strict=True)]),
+        m.Meta.build("prefill", [0] * 3, lens, table),
+        cache,
+    )
     for i in range(steps):
         meta = m.Meta.build("decode", [n + i for n in lens], [1] * 3, table)
-        got = model.logits(model(torch.stack([s[n + i] for s, n in zip(seqs, lens)]), meta, cache))
+        got = model.logits(
+            model(torch.stack([s[n + i] for s, n in zip(seqs, lens, strict=True)]), meta, cache)
+        )
         want = ref[[full.cu_seqlens[b] + lens[b] + i for b in range(3)]]
         assert (got - want).abs().max() <= 1e-4 * want.abs().max(), f"step {i}"
 
@@ -456,17 +499,27 @@ def test_two_prefill_chunks_equal_one(model):
     table = torch.randperm(256).view(2, 128)
     c1, c2 = m.KVCache(cfg, 256), m.KVCache(cfg, 256)
     one = model.logits(model(torch.cat(seqs), m.Meta.build("prefill", [0, 0], [70, 41], table), c1))
-    model(torch.cat([s[:c] for s, c in zip(seqs, cut)]), m.Meta.build("prefill", [0, 0], cut, table), c2)
-    two = model.logits(model(torch.cat([s[c:] for s, c in zip(seqs, cut)]),
-                             m.Meta.build("prefill", cut, [70 - 37, 41 - 10], table), c2))
-    want = torch.cat([one[37:70], one[70 + 10:]])
+    model(
+        torch.cat([s[:c] for s, c in zip(seqs, cut, strict=True)]),
+        m.Meta.build("prefill", [0, 0], cut, table),
+        c2,
+    )
+    two = model.logits(
+        model(
+            torch.cat([s[c:] for s, c in zip(seqs, cut, strict=True)]),
+            m.Meta.build("prefill", cut, [70 - 37, 41 - 10], table),
+            c2,
+        )
+    )
+    want = torch.cat([one[37:70], one[70 + 10 :]])
     assert (two - want).abs().max() <= 1e-4 * want.abs().max()
     C = cfg.kv_lora_rank
     assert torch.equal(c1.latent[..., :C], c2.latent[..., :C]) and torch.equal(c1.ik.float(), c2.ik.float())
 
 
 def test_mtp_layer_matches_spec(model):
-    """MTP (spec 3.11) recomputed: eh_proj([enorm(emb(t_{i+1})); hnorm(h_i)]) -> block -> shared_head norm/head."""
+    """MTP (spec 3.11) recomputed: eh_proj([enorm(emb(t_{i+1})); hnorm(h_i)]) -> block -> shared_head
+    norm/head."""
     cfg = model.cfg
     torch.manual_seed(10)
     tokens = torch.randint(6, cfg.vocab_size, (25,))
@@ -477,26 +530,30 @@ def test_mtp_layer_matches_spec(model):
 
     def rms(x, w):
         x = x.float()
-        return (w * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + cfg.eps))).to(torch.bfloat16)   # as [R]
+        return (w * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + cfg.eps))).to(torch.bfloat16)  # as [R]
+
     mtp = model.mtp[0]
     e = F.embedding(nxt, mtp.embed.weight)
-    u = (torch.cat([rms(e, mtp.enorm.weight), rms(h, mtp.hnorm.weight)], -1).double()
-         @ mtp.eh_proj.weight.double().T).to(torch.bfloat16)
+    u = (
+        torch.cat([rms(e, mtp.enorm.weight), rms(h, mtp.hnorm.weight)], -1).double()
+        @ mtp.eh_proj.weight.double().T
+    ).to(torch.bfloat16)
     cache2 = m.KVCache(cfg, 512)
     cos, sin = m.rope_cos_sin(cfg, meta.positions)
     x, res = mtp.block(u, None, cos, sin, meta, cache2.layer(cfg.n_layers))
     want_h = rms(x.float() + res.float(), mtp.shared_head.norm.weight)
-    want = (want_h.double() @ model.head.weight.double().T).float()    # shared_head.head == lm_head copy
+    want = (want_h.double() @ model.head.weight.double().T).float()  # shared_head.head == lm_head copy
     assert torch.equal(got_h, want_h)
     assert (got - want).abs().max() <= 1e-5 * want.abs().max()
     assert mtp.shared_head.head.weight is model.head.weight, "equal copies of the head should be shared"
 
 
 def test_moe_routing_and_output_match_spec(model, monkeypatch):
-    """Gate (spec 3.9) recomputed in fp64: the bias steers selection only; group-limited top-k; weights are the
-    unbiased scores renormalized times route_scale; output = sum of weighted experts + shared expert."""
-    cfg, moe = model.cfg, model.layers[1].ffn
-    monkeypatch.setattr(moe.gate.bias, "data", moe.gate.bias.data * 20)   # make the bias change selections
+    """Gate (spec 3.9) recomputed in fp64: the bias steers selection only; group-limited top-k; weights are
+    the unbiased scores renormalized times route_scale; output = sum of weighted experts + shared expert."""
+    cfg = model.cfg
+    moe = model.layers[1].ffn
+    monkeypatch.setattr(moe.gate.bias, "data", moe.gate.bias.data * 20)  # make the bias change selections
     torch.manual_seed(11)
     x = torch.randn(64, cfg.dim).to(torch.bfloat16)
     w, idx = moe.gate(x)
@@ -510,19 +567,28 @@ def test_moe_routing_and_output_match_spec(model, monkeypatch):
         masked[t, keep[t]] = sb.view(64, G, -1)[t, keep[t]]
     want_idx = masked.flatten(1).topk(cfg.n_activated_experts, -1).indices
     assert torch.equal(idx.sort(-1).values, want_idx.sort(-1).values)
-    assert not torch.equal(s.topk(cfg.n_activated_experts, -1).indices.sort(-1).values, want_idx.sort(-1).values)
+    assert not torch.equal(
+        s.topk(cfg.n_activated_experts, -1).indices.sort(-1).values, want_idx.sort(-1).values
+    )
     want_w = s.gather(1, idx) / s.gather(1, idx).sum(-1, keepdim=True) * cfg.route_scale
     assert torch.allclose(w.double(), want_w, rtol=1e-6)
     y = moe(x)
-    ex, inter = moe.experts, cfg.moe_inter_dim
+    ex = moe.experts
+    inter = cfg.moe_inter_dim
 
-    def expert(e, v):           # one routed expert alone, from its w1 / w3 / w2 halves of the stacked weights
+    def expert(e, v):  # one routed expert alone, from its w1 / w3 / w2 halves of the stacked weights
         w13, s13 = ex.w13.weight[e], ex.w13.scale[e]
-        g = m.fp8_linear(v, w13[:inter], s13[:inter // 128]).float()
-        u = m.fp8_linear(v, w13[inter:], s13[inter // 128:]).float()
+        g = m.fp8_linear(v, w13[:inter], s13[: inter // 128]).float()
+        u = m.fp8_linear(v, w13[inter:], s13[inter // 128 :]).float()
         return m.fp8_linear((F.silu(g) * u).to(torch.bfloat16), ex.w2.weight[e], ex.w2.scale[e])
-    want_y = torch.stack([sum(expert(int(e), x[t:t + 1])[0].float() * w[t, j] for j, e in enumerate(idx[t]))
-                          + moe.shared_experts(x[t:t + 1])[0].float() for t in range(64)])
+
+    want_y = torch.stack(
+        [
+            sum(expert(int(e), x[t : t + 1])[0].float() * w[t, j] for j, e in enumerate(idx[t]))
+            + moe.shared_experts(x[t : t + 1])[0].float()
+            for t in range(64)
+        ]
+    )
     assert_bf16_close(y, want_y, "MoE output")
 
 
@@ -546,20 +612,24 @@ def mixed_prompts(n=8, seed=12):
 
 
 def oracle_drafts(monkeypatch, reference, wrong_every=3):
-    """Patch the MTP draft pick to propose the plain run's next tokens, wrong at every `wrong_every`-th draft, so
-    verify accepts runs of drafts and rejects others."""
+    """Replace the round's draft phase by an oracle that proposes the plain run's next tokens, wrong at every
+    `wrong_every`-th draft, so verify accepts runs of drafts and rejects others."""
     counter = [0]
 
-    def pick(self, reqs, logits, j):
-        out = []
-        for r in reqs:
-            counter[0] += 1
-            want = reference[r.idx]
-            pos = len(r.tokens) + j - r.prompt_len                 # index of the drafted token in the output
-            t = want[pos] if pos < len(want) else 5
-            out.append(t if counter[0] % wrong_every else (t + 1) % 262)
-        return torch.tensor(out, device=logits.device), [None] * len(reqs)
-    monkeypatch.setattr(m.LLM, "_pick", pick)
+    def draft(self, reqs, h):
+        drafts = [[] for _ in reqs]
+        for j in range(self.num_draft):
+            for b, r in enumerate(reqs):
+                counter[0] += 1
+                want = reference[r.idx]
+                pos = len(r.tokens) + j - r.prompt_len  # index of the drafted token in the output
+                t = want[pos] if pos < len(want) else 5
+                drafts[b].append(t if counter[0] % wrong_every else (t + 1) % 262)
+        for r, tokens in zip(reqs, drafts, strict=True):
+            r.draft = torch.tensor(tokens, device=h.device)
+            r.q = None
+
+    monkeypatch.setattr(m.Runner, "draft", draft)
 
 
 @pytest.mark.parametrize("mtp", [1, 2, 3])
@@ -569,12 +639,12 @@ def test_speculative_greedy_equals_plain_greedy(tiny_dir, monkeypatch, mtp):
     ref = [r.token_ids for r in plain]
     assert any(len(p) + 20 > m.Config.tiny().index_topk for p in prompts)
     spec = make_llm(tiny_dir, mtp)
-    mtp_out = spec.generate(prompts, max_new_tokens=20)                  # the random MTP layer's own drafts
+    mtp_out = spec.generate(prompts, max_new_tokens=20)  # the random MTP layer's own drafts
     assert [r.token_ids for r in mtp_out] == ref
     oracle_drafts(monkeypatch, ref)
     out = spec.generate(prompts, max_new_tokens=20, return_logits=True)  # drafts accepted in runs
     assert [r.token_ids for r in out] == ref
-    for a, b in zip(out, plain):
+    for a, b in zip(out, plain, strict=True):
         assert len(a.logits) == len(a.token_ids)
         assert (a.logits - b.logits).abs().max() <= 1e-4 * b.logits.abs().max()
     if mtp > 1:
@@ -587,7 +657,7 @@ def _chi2(counts, p):
     return float(((counts - n * p) ** 2 / (n * p)).sum())
 
 
-CHI2_CRIT_DF5 = 20.515          # chi-square critical value, 5 degrees of freedom, p = 0.001
+CHI2_CRIT_DF5 = 20.515  # chi-square critical value, 5 degrees of freedom, p = 0.001
 
 
 def _sample_spec(p, q, n_seeds):
@@ -602,13 +672,14 @@ def _sample_spec(p, q, n_seeds):
 
 @pytest.mark.parametrize("broken", [None, "residual", "always_accept"])
 def test_rejection_sampling_is_exact(monkeypatch, broken):
-    """Over many seeds on a 6-token vocabulary, the first emitted token follows p (the main model), and the second
-    (when the first draft was accepted) follows p_1; a broken acceptance rule is detected by the same test."""
+    """Over many seeds on a 6-token vocabulary, the first emitted token follows p (the main model), and the
+    second (when the first draft was accepted) follows p_1; a broken acceptance rule is detected by the same
+    test."""
     g = torch.Generator().manual_seed(0)
-    p = torch.softmax(torch.randn(3, 6, generator=g) * 1.5, -1)          # main-model rows for k=2 (+ bonus)
-    q = torch.softmax(torch.randn(2, 6, generator=g) * 1.5, -1)          # draft distributions
+    p = torch.softmax(torch.randn(3, 6, generator=g) * 1.5, -1)  # main-model rows for k=2 (+ bonus)
+    q = torch.softmax(torch.randn(2, 6, generator=g) * 1.5, -1)  # draft distributions
     if broken == "residual":
-        monkeypatch.setattr(m, "residual_probs", lambda p_, q_: p_)     # resample from p instead of max(p-q, 0)
+        monkeypatch.setattr(m, "residual_probs", lambda p_, q_: p_)  # resample from p instead of max(p-q, 0)
     elif broken == "always_accept":
         monkeypatch.setattr(torch, "rand", lambda *a, **k: torch.tensor(0.0))
     outs = _sample_spec(p, q, 12000)
@@ -623,9 +694,9 @@ def test_rejection_sampling_is_exact(monkeypatch, broken):
 
 def test_continuous_batching_equals_each_prompt_alone(tiny_dir):
     prompts = mixed_prompts(8, seed=13)
-    llm = make_llm(tiny_dir, 2, max_batch=3, max_prefill_tokens=24)     # admission as others finish; chunked
+    llm = make_llm(tiny_dir, 2, max_batch=3, max_prefill_tokens=24)  # admission as others finish; chunked
     together = llm.generate(prompts, max_new_tokens=12)
-    for p, r in zip(prompts, together):
+    for p, r in zip(prompts, together, strict=True):
         assert llm.generate([p], max_new_tokens=12)[0].token_ids == r.token_ids
 
 
@@ -633,11 +704,12 @@ def test_full_kv_pool_waits_or_preempts(tiny_dir):
     prompts = mixed_prompts(6, seed=14)
     free = make_llm(tiny_dir, 2).generate(prompts, max_new_tokens=16)
     per_token = m.KVCache.bytes_per_token(m.Config.tiny())
-    small = make_llm(tiny_dir, 2, kv_cache_bytes=per_token * 168, page_size=8)   # 160 slots (+ dummy page) for ~300
+    # 160 slots (+ dummy page) for ~300
+    small = make_llm(tiny_dir, 2, kv_cache_bytes=per_token * 168, page_size=8)
     out = small.generate(prompts, max_new_tokens=16)
     assert [r.token_ids for r in out] == [r.token_ids for r in free]
     assert small.stats["preemptions"] > 0
-    assert len(small.free_pages) == 168 // 8 - 1, "pages leaked"          # all but the dummy page
+    assert len(small.pool.free) == 168 // 8 - 1, "pages leaked"  # all but the dummy page
     with pytest.raises(ValueError, match="can never fit in the KV pool"):
         small.generate([list(range(6, 200))], max_new_tokens=16)
 
@@ -651,16 +723,43 @@ def test_sampling_runs_and_is_seeded(tiny_dir):
     assert all(len(r.token_ids) == 10 or r.finish_reason == "eos" for r in a)
 
 
-@pytest.mark.skipif(not os.path.isfile(os.path.join(SHARED, "data", "deepseek-v3.2", "tokenizer.json")),
-                    reason="../shared/data/deepseek-v3.2 not present")
+@pytest.mark.skipif(
+    not os.path.isfile(os.path.join(SHARED, "data", "deepseek-v3.2", "tokenizer.json")),
+    reason="../shared/data/deepseek-v3.2 not present",
+)
 def test_chat_encoding_with_real_tokenizer():
     from tokenizers import Tokenizer
+
     tok = Tokenizer.from_file(os.path.join(SHARED, "data", "deepseek-v3.2", "tokenizer.json"))
-    msgs = [{"role": "user", "content": "hello"}, {"role": "assistant", "content": "Hello! I am DeepSeek."},
-            {"role": "user", "content": "1+1=?"}]
+    msgs = [
+        {"role": "user", "content": "hello"},
+        {"role": "assistant", "content": "Hello! I am DeepSeek."},
+        {"role": "user", "content": "1+1=?"},
+    ]
     ids = tok.encode(m.encode_chat(msgs, thinking=True), add_special_tokens=False).ids
-    assert ids == [0, 128803, 33310, 128804, 128799, 19923, 3, 342, 1030, 22651, 4374, 1465, 16, 1, 128803, 19, 13,
-                   19, 127252, 128804, 128798]
+    assert ids == [
+        0,
+        128803,
+        33310,
+        128804,
+        128799,
+        19923,
+        3,
+        342,
+        1030,
+        22651,
+        4374,
+        1465,
+        16,
+        1,
+        128803,
+        19,
+        13,
+        19,
+        127252,
+        128804,
+        128798,
+    ]
     plain = tok.encode(m.encode_chat(msgs[:1]), add_special_tokens=False).ids
     assert plain == [0, 128803, 33310, 128804, 128799]
 
@@ -668,23 +767,58 @@ def test_chat_encoding_with_real_tokenizer():
 def _cli(args, _unused=None):
     import subprocess
     import sys
+
     env = dict(os.environ, OMP_NUM_THREADS="1")
     here = os.path.dirname(os.path.abspath(__file__))
-    return subprocess.run([sys.executable, os.path.join(here, "nano_nsa.py")] + args, capture_output=True,
-                          text=True, env=env, timeout=600)
+    return subprocess.run(
+        [sys.executable, os.path.join(here, "nano_nsa.py")] + args,
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=600,
+    )
 
 
 def test_cli_end_to_end(tiny_dir, tmp_path):
-    r = _cli(["--model", tiny_dir, "--prompt", "a", "--prompt", "bb", "--json", "--max-new-tokens", "5",
-              "--temperature", "0.7", "--top-p", "0.9"], tmp_path / "cache")
+    r = _cli(
+        [
+            "--model",
+            tiny_dir,
+            "--prompt",
+            "a",
+            "--prompt",
+            "bb",
+            "--json",
+            "--max-new-tokens",
+            "5",
+            "--temperature",
+            "0.7",
+            "--top-p",
+            "0.9",
+        ],
+        tmp_path / "cache",
+    )
     assert r.returncode == 0, r.stderr
     doc = json.loads(r.stdout)
     assert len(doc["results"]) == 2 and all(len(x["token_ids"]) <= 5 for x in doc["results"])
     assert doc["stats"]["tokens"] == sum(len(x["token_ids"]) for x in doc["results"])
 
 
-@pytest.mark.parametrize("case", ["missing_dir", "not_deepseek", "too_long", "max_new_tokens", "temperature",
-                                  "top_p_zero", "top_p_big", "unknown_option", "no_cuda", "bad_device"])
+@pytest.mark.parametrize(
+    "case",
+    [
+        "missing_dir",
+        "not_deepseek",
+        "too_long",
+        "max_new_tokens",
+        "temperature",
+        "top_p_zero",
+        "top_p_big",
+        "unknown_option",
+        "no_cuda",
+        "bad_device",
+    ],
+)
 def test_cli_bad_input_is_one_clear_line(tiny_dir, tmp_path, case, capsys):
     bad = tmp_path / "llama"
     bad.mkdir()
@@ -693,7 +827,10 @@ def test_cli_bad_input_is_one_clear_line(tiny_dir, tmp_path, case, capsys):
     argv, message = {
         "missing_dir": (["--model", str(tmp_path / "nope"), "--prompt", "hi"], "does not exist"),
         "not_deepseek": (["--model", str(bad), "--prompt", "hi"], "not a DeepSeek-V3.2 config"),
-        "too_long": (base[:2] + ["--prompt", "x" * 100, "--max-context", "64"], "exceeds the context limit of 64"),
+        "too_long": (
+            base[:2] + ["--prompt", "x" * 100, "--max-context", "64"],
+            "exceeds the context limit of 64",
+        ),
         "max_new_tokens": (base + ["--max-new-tokens", "0"], "max_new_tokens must be > 0"),
         "temperature": (base + ["--temperature", "-1"], "temperature must be >= 0"),
         "top_p_zero": (base + ["--top-p", "0"], "top_p must be in (0, 1]"),
@@ -709,7 +846,13 @@ def test_cli_bad_input_is_one_clear_line(tiny_dir, tmp_path, case, capsys):
     except SystemExit as e:
         rc = e.code
     err = capsys.readouterr().err.strip()
-    assert rc != 0 and err.startswith("error: ") and message in err and "\n" not in err and "Traceback" not in err
+    assert (
+        rc != 0
+        and err.startswith("error: ")
+        and message in err
+        and "\n" not in err
+        and "Traceback" not in err
+    )
 
 
 def test_context_limit_of_the_model(tiny_dir):
@@ -719,43 +862,49 @@ def test_context_limit_of_the_model(tiny_dir):
 
 
 def test_mtp_drafts_match_recomputed_mtp(tiny_dir, monkeypatch):
-    """Draft-extend keeps the MTP layer's cache and hidden state right: every round's first draft equals the MTP
-    argmax recomputed from scratch (main prefill over the final sequence, MTP over pairs (h_p, x_{p+1})), and the
-    second draft equals one chained MTP step at the next position."""
-    llm, cfg = make_llm(tiny_dir, 2), m.Config.tiny()
-    records, orig = [], m.LLM._draft
+    """Draft-extend keeps the MTP layer's cache and hidden state right: every round's first draft equals the
+    MTP argmax recomputed from scratch (main prefill over the final sequence, MTP over pairs (h_p, x_{p+1})),
+    and the second draft equals one chained MTP step at the next position."""
+    llm = make_llm(tiny_dir, 2)
+    cfg = m.Config.tiny()
+    records = []
+    orig = m.Runner.draft
 
     def draft(self, reqs, h):
         orig(self, reqs, h)
         records.extend((r.idx, r.num_cached, r.draft.tolist()) for r in reqs)
-    monkeypatch.setattr(m.LLM, "_draft", draft)
+
+    monkeypatch.setattr(m.Runner, "draft", draft)
     prompts = mixed_prompts(4, seed=15)
     out = llm.generate(prompts, max_new_tokens=14)
     model = llm.model
     checked = 0
-    for i, (p, r) in enumerate(zip(prompts, out)):
+    for i, (p, r) in enumerate(zip(prompts, out, strict=True)):
         seq = torch.tensor(p + r.token_ids)
         cache = m.KVCache(cfg, 256)
         table = torch.arange(256)[None]
         meta = m.Meta.build("prefill", [0], [len(seq) - 1], table)
         h = model(seq[:-1], meta, cache)
-        hm = model.mtp_forward(seq[1:], h, meta, cache)                   # position p: (h_p, x_{p+1})
-        d1_ref = model.mtp[0].logits(hm).argmax(-1)                       # predicts x_{p+2}
+        hm = model.mtp_forward(seq[1:], h, meta, cache)  # position p: (h_p, x_{p+1})
+        d1_ref = model.mtp[0].logits(hm).argmax(-1)  # predicts x_{p+2}
         for idx, L, d in records:
             if idx != i or L > len(seq) - 1:
                 continue
             assert d[0] == int(d1_ref[L - 1]), f"prompt {i}: first draft at L={L}"
             c2 = m.KVCache(cfg, 256)
             c2.latent[:], c2.ik[:], c2.iks[:] = cache.latent, cache.ik, cache.iks
-            step = model.mtp_forward(torch.tensor([d[0]]), hm[L - 1:L], m.Meta.build("decode", [L], [1], table), c2)
+            step = model.mtp_forward(
+                torch.tensor([d[0]]), hm[L - 1 : L], m.Meta.build("decode", [L], [1], table), c2
+            )
             assert d[1] == int(model.mtp[0].logits(step).argmax()), f"prompt {i}: second draft at L={L}"
             checked += 1
     assert checked >= 8
 
 
 def test_cuda_graph_buckets_split_evenly_over_tp_ranks():
-    """Buckets keep only batch sizes whose rows (bs x rows per request) split evenly over the TP ranks, and the
-    smallest bucket pads a one-request step to the fewest rows that do (bs=1 verify of 4 rows at TP 8: 8 rows)."""
+    """Buckets keep only batch sizes whose rows (bs x rows per request) split evenly over the TP ranks, and
+    the smallest bucket pads a one-request step to the fewest rows that do (bs=1 verify of 4 rows at TP 8: 8
+    rows)."""
     assert m.graph_buckets(64, 1) == [1, 2, 4, 8, 16, 32, 48, 64]
     assert m.graph_buckets(64, 4, tp=8)[0] == 2 and m.graph_buckets(64, 1, tp=8)[0] == 8
     for tp in (1, 2, 4, 8):
@@ -764,14 +913,15 @@ def test_cuda_graph_buckets_split_evenly_over_tp_ranks():
                 buckets = m.graph_buckets(max_bs, rows, tp)
                 assert all(b * rows % tp == 0 for b in buckets) and buckets == sorted(set(buckets))
                 assert buckets[-1] >= max_bs and (len(buckets) == 1 or buckets[-2] < max_bs)
-                fewest = next(n for n in range(rows, 64 * tp, rows) if n % tp == 0)    # smallest row count
+                fewest = next(n for n in range(rows, 64 * tp, rows) if n % tp == 0)  # smallest row count
                 assert buckets[0] * rows == fewest, (tp, rows, buckets)
 
 
 def test_verify_and_draft_extend_use_the_decode_path(tiny_dir, monkeypatch):
     """Outside prefill steps, no row goes through the per-head (prefill) attention form."""
-    llm, in_round = make_llm(tiny_dir, 3), [False]
-    orig_round, orig_attend = m.LLM._decode_round, m.MLA.attend_dense
+    llm = make_llm(tiny_dir, 3)
+    in_round = [False]
+    orig_round, orig_attend = m.Runner.decode_round, m.MLA.attend_dense
 
     def decode_round(self, reqs):
         in_round[0] = True
@@ -783,7 +933,8 @@ def test_verify_and_draft_extend_use_the_decode_path(tiny_dir, monkeypatch):
     def attend(self, *a, **k):
         assert not in_round[0], "a decode round used the prefill attention path"
         return orig_attend(self, *a, **k)
-    monkeypatch.setattr(m.LLM, "_decode_round", decode_round)
+
+    monkeypatch.setattr(m.Runner, "decode_round", decode_round)
     monkeypatch.setattr(m.MLA, "attend_dense", attend)
     llm.generate(mixed_prompts(3), max_new_tokens=6)
 
@@ -795,7 +946,8 @@ gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU
 
 
 def _first_split(a, b, margins):
-    """Compare token lists a and b; return (number of leading equal tokens, margin of `margins` at the split)."""
+    """Compare token lists a and b; return (number of leading equal tokens, margin of `margins` at the
+    split)."""
     n = 0
     while n < min(len(a), len(b)) and a[n] == b[n]:
         n += 1
@@ -811,9 +963,11 @@ def _agree_up_to_near_ties(want, got, tol, what):
     """Greedy tokens must agree; where they first differ, the reference's top-1 margin there must be below tol
     (a near-tie that the other summation order may flip), and the rest of that request is not compared."""
     compared = 0
-    for i, (a, b) in enumerate(zip(want, got)):
+    for i, (a, b) in enumerate(zip(want, got, strict=True)):
         n, margin = _first_split(a.token_ids, b.token_ids, _margin(a.logits))
-        assert margin is None or margin < tol, f"{what}: prompt {i} differs at token {n} with margin {margin} >= {tol}"
+        assert margin is None or margin < tol, (
+            f"{what}: prompt {i} differs at token {n} with margin {margin} >= {tol}"
+        )
         compared += n
     return compared
 
@@ -821,20 +975,27 @@ def _agree_up_to_near_ties(want, got, tol, what):
 @pytest.fixture(scope="session")
 def calm_dir(tiny_dir, tmp_path_factory):
     """The tiny checkpoint with its residual-branch outputs (o_proj, down_proj) scaled by 1/8 through their
-    power-of-two block scales (the FP8 format stays exact). A random 3-layer model amplifies any numerical noise
-    chaotically (1% noise in attention moves the tiny model's logits by 1.7, as much as their spread); damped
-    branches keep it near 0.06, so its greedy decisions stay far from that noise: a checkpoint far from ties."""
+    power-of-two block scales (the FP8 format stays exact). A random 3-layer model amplifies any numerical
+    noise chaotically (1% noise in attention moves the tiny model's logits by 1.7, as much as their spread);
+    damped branches keep it near 0.06, so its greedy decisions stay far from that noise: a checkpoint far from
+    ties."""
     return _damped_copy(tiny_dir, str(tmp_path_factory.mktemp("calm")))
 
 
 def _damped_copy(src_dir, path):
     from safetensors.torch import load_file, save_file
+
     for name in os.listdir(src_dir):
         src = os.path.join(src_dir, name)
         if name.endswith(".safetensors"):
             ts = load_file(src)
-            ts.update({k: v / 8 for k, v in ts.items() if k.endswith(("o_proj.weight_scale_inv",
-                                                                       "down_proj.weight_scale_inv"))})
+            ts.update(
+                {
+                    k: v / 8
+                    for k, v in ts.items()
+                    if k.endswith(("o_proj.weight_scale_inv", "down_proj.weight_scale_inv"))
+                }
+            )
             save_file(ts, os.path.join(path, name), metadata={"format": "pt"})
         else:
             shutil.copy(src, path)
@@ -844,37 +1005,51 @@ def _damped_copy(src_dir, path):
 @gpu
 @pytest.mark.parametrize("kernels", ["torch", "gpu"])
 def test_gpu_engine_agrees_with_cpu(calm_dir, kernels):
-    """The engine on CUDA (torch references, or kernels.py) gives the CPU's greedy tokens, with and without MTP
-    (k = 1, 3), and speculative == plain on the GPU. The kernels round attention intermediates to bf16 and sum FP8
-    products on Hopper's tensor cores (~14-bit accumulation inside each 128 block), as the official reference's
-    kernels do, where the CPU keeps fp64: measured first-token logit noise 0.012 (torch path) and 0.17 (kernels:
-    bf16 attention 0.05, FP8 GEMMs 0.06, compounding through the FP8 act-quant of each layer), against logits of
-    spread 1 (bound 0.3). So a token may differ only after a near-tie: a position whose
-    top-1 margin is under 4x the largest first-token logit difference between the devices (the same prefill, so
-    that difference is the numerical noise), and the rest of that request is then not compared."""
+    """The engine on CUDA (torch references, or kernels.py) gives the CPU's greedy tokens, with and without
+    MTP (k = 1, 3), and speculative == plain on the GPU. The kernels round attention intermediates to bf16 and
+    sum FP8 products on Hopper's tensor cores (~14-bit accumulation inside each 128 block), as the official
+    reference's kernels do, where the CPU keeps fp64: measured first-token logit noise 0.012 (torch path) and
+    0.17 (kernels: bf16 attention 0.05, FP8 GEMMs 0.06, compounding through the FP8 act-quant of each layer),
+    against logits of spread 1 (bound 0.3). So a token may differ only after a near-tie: a position whose
+    top-1 margin is under 4x the largest first-token logit difference between the devices (the same prefill,
+    so that difference is the numerical noise), and the rest of that request is then not compared."""
     prompts = mixed_prompts(8)
     cpu = m.LLM(calm_dir, device="cpu", mtp=0).generate(prompts, max_new_tokens=12, return_logits=True)
-    runs = {k: m.LLM(calm_dir, device="cuda", mtp=k, kernels=kernels).generate(prompts, max_new_tokens=12,
-                                                                             return_logits=True) for k in (0, 1, 3)}
-    noise = max((a.logits[0] - b.logits[0]).abs().max().item() for a, b in zip(cpu, runs[0]))
+    runs = {
+        k: m.LLM(calm_dir, device="cuda", mtp=k, kernels=kernels).generate(
+            prompts, max_new_tokens=12, return_logits=True
+        )
+        for k in (0, 1, 3)
+    }
+    noise = max((a.logits[0] - b.logits[0]).abs().max().item() for a, b in zip(cpu, runs[0], strict=True))
     tol = 4 * noise
     total = sum(len(r.token_ids) for r in cpu)
-    counts = {f"cpu~gpu mtp={k}": _agree_up_to_near_ties(cpu, runs[k], tol, f"CPU vs GPU mtp={k}") for k in runs}
-    counts.update({f"gpu plain~gpu mtp={k}": _agree_up_to_near_ties(runs[0], runs[k], tol, f"GPU plain vs mtp={k}")
-                   for k in (1, 3)})
-    print(f"[{kernels}] first-token logit noise {noise:.3f}; tokens equal before any near-tie split (of {total}):",
-          counts)
-    assert noise < 0.3 and min(counts.values()) >= 0.6 * total           # the comparison is not vacuous
+    counts = {
+        f"cpu~gpu mtp={k}": _agree_up_to_near_ties(cpu, runs[k], tol, f"CPU vs GPU mtp={k}") for k in runs
+    }
+    counts.update(
+        {
+            f"gpu plain~gpu mtp={k}": _agree_up_to_near_ties(runs[0], runs[k], tol, f"GPU plain vs mtp={k}")
+            for k in (1, 3)
+        }
+    )
+    print(
+        f"[{kernels}] first-token logit noise {noise:.3f}; "
+        f"tokens equal before any near-tie split (of {total}):",
+        counts,
+    )
+    assert noise < 0.3 and min(counts.values()) >= 0.6 * total  # the comparison is not vacuous
 
 
 @gpu
 @pytest.mark.parametrize("mtp", [0, 1, 3])
 def test_gpu_cuda_graphs_equal_eager(calm_dir, mtp):
-    """Decode rounds through CUDA graphs (buckets padded with dummy rows, context bounds captured on first use,
-    plans refreshed before each replay) give the eager rounds' greedy tokens. The two differ in shapes only (padded
-    batch, indexer width), which can move the FP8 GEMMs' split-K sums in the last bits: a token may differ only at
-    a near-tie (see test_gpu_engine_agrees_with_cpu), and the count of equal tokens is printed."""
-    prompts = mixed_prompts(8)                                  # contexts beyond index_topk: sparse, wider bounds
+    """Decode rounds through CUDA graphs (buckets padded with dummy rows, context bounds captured on first
+    use, plans refreshed before each replay) give the eager rounds' greedy tokens. The two differ in shapes
+    only (padded batch, indexer width), which can move the FP8 GEMMs' split-K sums in the last bits: a token
+    may differ only at a near-tie (see test_gpu_engine_agrees_with_cpu), and the count of equal tokens is
+    printed."""
+    prompts = mixed_prompts(8)  # contexts beyond index_topk: sparse, wider bounds
     eager = m.LLM(calm_dir, device="cuda", mtp=mtp, cuda_graphs=False)
     assert eager.graphs is None
     want = eager.generate(prompts, max_new_tokens=16, return_logits=True)
@@ -882,11 +1057,14 @@ def test_gpu_cuda_graphs_equal_eager(calm_dir, mtp):
     assert llm.graphs is not None and len(llm.graphs.graphs) > 0
     got = llm.generate(prompts, max_new_tokens=16, return_logits=True)
     widths = {key[2] for key in llm.graphs.graphs}
-    assert max(widths) > m.Config.tiny().index_topk, widths                # a longer context bound was captured
+    assert max(widths) > m.Config.tiny().index_topk, widths  # a longer context bound was captured
     total = sum(len(r.token_ids) for r in want)
     equal = _agree_up_to_near_ties(want, got, 0.05, f"graphs vs eager mtp={mtp}")
-    noise = max((a.logits[0] - b.logits[0]).abs().max().item() for a, b in zip(want, got))
-    print(f"mtp={mtp}: {equal}/{total} tokens equal before any near-tie; first-token logit difference {noise:.2e}")
+    noise = max((a.logits[0] - b.logits[0]).abs().max().item() for a, b in zip(want, got, strict=True))
+    print(
+        f"mtp={mtp}: {equal}/{total} tokens equal before any near-tie; "
+        f"first-token logit difference {noise:.2e}"
+    )
     assert equal >= 0.8 * total and noise < 0.05
     if mtp:
         assert llm.stats["mean_accept_length"] == eager.stats["mean_accept_length"] or equal < total
@@ -894,10 +1072,12 @@ def test_gpu_cuda_graphs_equal_eager(calm_dir, mtp):
 
 @gpu
 def test_gpu_index_quant_kernel_matches_reference():
-    """Hadamard as one fp32 GEMM + Triton act-quant vs the butterfly reference + act_quant: the same scales, and FP8
-    values equal except where the two fp32 summation orders round a value to a neighbouring bf16."""
+    """Hadamard as one fp32 GEMM + Triton act-quant vs the butterfly reference + act_quant: the same scales,
+    and FP8 values equal except where the two fp32 summation orders round a value to a neighbouring bf16."""
     import kernels
-    x = (torch.randn(64, 64, 128, device="cuda", generator=torch.Generator("cuda").manual_seed(3)) * 3).to(m.BF16)
+
+    gen = torch.Generator("cuda").manual_seed(3)
+    x = (torch.randn(64, 64, 128, device="cuda", generator=gen) * 3).to(m.BF16)
     q, s = kernels.index_quant(x)
     q_ref, s_ref = m.index_quant(x)
     differ = (q.float() != q_ref.float()).float().mean().item()
@@ -909,35 +1089,53 @@ def _rand_fp8(*shape, gen, device="cuda"):
 
 
 def _random_rows(lens_per_req, rows_per_req, gen, max_slots):
-    """A verify-style Meta: request b has rows at positions n_b .. n_b + rows - 1 (expanded causal lengths), its
-    page-table row a random permutation of KV-pool slots."""
-    B, width = len(lens_per_req), max(lens_per_req) + rows_per_req
+    """A verify-style Meta: request b has rows at positions n_b .. n_b + rows - 1 (expanded causal lengths),
+    its page-table row a random permutation of KV-pool slots."""
+    B = len(lens_per_req)
+    width = max(lens_per_req) + rows_per_req
     table = torch.stack([torch.randperm(max_slots, generator=gen, device="cuda")[:width] for _ in range(B)])
     return m.Meta.build("verify", lens_per_req, [rows_per_req] * B, table)
 
 
 @gpu
-@pytest.mark.parametrize("B,rows,ctx,I,K", [(1, 1, 1024, 64, 2048), (1, 4, 65536, 64, 2048), (4, 2, 8192, 64, 2048),
-                                           (64, 1, 4096, 64, 2048), (8, 3, None, 64, 2048), (4, 2, 70, 4, 32)])
-def test_gpu_indexer_kernel_matches_reference(B, rows, ctx, I, K):
-    """Real shapes (64 heads x 128, top-k 2048): the Triton indexer selects the reference's positions. Sets may
-    differ only at near-ties: the kernel's FP8 tensor-core dots accumulate with about 14 bits of precision on Hopper
-    (DeepSeek-V3 report, 3.3.2; the official fp8_index kernel runs on the same units), so a position may swap
-    across the k-th score only if its exact (fp64) score is within 2^-11 of the row's largest |score| of it, and
-    such swaps must stay rare (at most 1% of a row's selection)."""
+@pytest.mark.parametrize(
+    "B,rows,ctx,heads,K",
+    [
+        (1, 1, 1024, 64, 2048),
+        (1, 4, 65536, 64, 2048),
+        (4, 2, 8192, 64, 2048),
+        (64, 1, 4096, 64, 2048),
+        (8, 3, None, 64, 2048),
+        (4, 2, 70, 4, 32),
+    ],
+)
+def test_gpu_indexer_kernel_matches_reference(B, rows, ctx, heads, K):
+    """Real shapes (64 heads x 128, top-k 2048): the Triton indexer selects the reference's positions. Sets
+    may differ only at near-ties: the kernel's FP8 tensor-core dots accumulate with about 14 bits of precision
+    on Hopper (DeepSeek-V3 report, 3.3.2; the official fp8_index kernel runs on the same units), so a position
+    may swap across the k-th score only if its exact (fp64) score is within 2^-11 of the row's largest |score|
+    of it, and such swaps must stay rare (at most 1% of a row's selection)."""
     import kernels
+
     gen = torch.Generator("cuda").manual_seed(B * 1000 + rows)
     lens = [ctx] * B if ctx else torch.randint(100, 20000, (B,), generator=gen, device="cuda").tolist()
     S = max(lens) * B + rows * B + 64
     meta = _random_rows(lens, rows, gen, S)
-    cache = m.LayerCache(torch.zeros(S, 576, dtype=m.BF16, device="cuda"), _rand_fp8(S, 128, gen=gen),
-                         2.0 ** torch.randint(-8, -2, (S,), generator=gen, device="cuda").float(), 512)
+    cache = m.LayerCache(
+        torch.zeros(S, 576, dtype=m.BF16, device="cuda"),
+        _rand_fp8(S, 128, gen=gen),
+        2.0 ** torch.randint(-8, -2, (S,), generator=gen, device="cuda").float(),
+        512,
+    )
     T = B * rows
-    q8, w = _rand_fp8(T, I, 128, gen=gen), torch.randn(T, I, generator=gen, device="cuda") * 0.01
+    q8 = _rand_fp8(T, heads, 128, gen=gen)
+    w = torch.randn(T, heads, generator=gen, device="cuda") * 0.01
     got, want = kernels.index_topk(q8, w, cache, meta, K), m.index_topk(q8, w, cache, meta, K)
     assert got.shape == want.shape
-    ctx_rows = meta.table[meta.row_req, :meta.max_ctx]
-    exact = m.index_scores(q8.cpu(), w.cpu().double(), cache.ik[ctx_rows].cpu(), cache.iks[ctx_rows].cpu().double())
+    ctx_rows = meta.table[meta.row_req, : meta.max_ctx]
+    exact = m.index_scores(
+        q8.cpu(), w.cpu().double(), cache.ik[ctx_rows].cpu(), cache.iks[ctx_rows].cpu().double()
+    )
     mismatched = 0
     for t in range(T):
         g, r = set(got[t].tolist()) - {-1}, set(want[t].tolist()) - {-1}
@@ -945,8 +1143,10 @@ def test_gpu_indexer_kernel_matches_reference(B, rows, ctx, I, K):
         diff = sorted(g ^ r)
         if diff:
             kth = exact[t, sorted(r, key=lambda n: exact[t, n].item())[0]]
-            assert (exact[t, diff] - kth).abs().max() <= 2 ** -11 * exact[t, :int(meta.ctx_lens[t])].abs().max(), \
+            bound = 2**-11 * exact[t, : int(meta.ctx_lens[t])].abs().max()
+            assert (exact[t, diff] - kth).abs().max() <= bound, (
                 f"row {t}: positions {diff[:8]} differ and are not near-ties"
+            )
             assert len(diff) <= 0.01 * len(r), f"row {t}: {len(diff)} swaps"
             mismatched += len(diff)
     print(f"B={B} rows={rows} ctx={lens[:4]}: {mismatched} near-tie swaps over {T} rows")
@@ -957,28 +1157,48 @@ def _sparse_case(B, rows, ctx, gen, K=2048, H=128, C=512):
     S = max(lens) * B + rows * B + 64
     meta = _random_rows(lens, rows, gen, S)
     cache = m.LayerCache((torch.randn(S, C + 64, generator=gen, device="cuda")).to(m.BF16), None, None, C)
-    T, width = B * rows, min(K, meta.max_ctx)
-    def selection():            # distinct random positions below each row's length, valid ones first, -1 after
-        pos = torch.rand(T, meta.max_ctx, generator=gen, device="cuda").masked_fill(
-            torch.arange(meta.max_ctx, device="cuda") >= meta.ctx_lens[:, None], 2).argsort(-1)[:, :width]
+    T = B * rows
+    width = min(K, meta.max_ctx)
+
+    def selection():  # distinct random positions below each row's length, valid ones first, -1 after
+        pos = (
+            torch.rand(T, meta.max_ctx, generator=gen, device="cuda")
+            .masked_fill(torch.arange(meta.max_ctx, device="cuda") >= meta.ctx_lens[:, None], 2)
+            .argsort(-1)[:, :width]
+        )
         pos = torch.where(torch.arange(width, device="cuda") < meta.ctx_lens[:, None], pos, -1)
         return torch.where(pos >= 0, meta.table[meta.row_req[:, None], pos.clamp(min=0)], -1)
+
     q_abs = torch.randn(T, H, C, generator=gen, device="cuda") * 0.5
     q_pe = (torch.randn(T, H, 64, generator=gen, device="cuda") * 0.5).to(m.BF16)
     return meta, cache, q_abs, q_pe, selection
 
 
 @gpu
-@pytest.mark.parametrize("B,rows,ctx,tiny", [(1, 1, 1024, 0), (1, 4, 65536, 0), (16, 2, 4096, 0), (64, 1, 32768, 0),
-                                             (8, 3, None, 0), (4, 2, 50, 1), (3, 4, 20, 1)])
+@pytest.mark.parametrize(
+    "B,rows,ctx,tiny",
+    [
+        (1, 1, 1024, 0),
+        (1, 4, 65536, 0),
+        (16, 2, 4096, 0),
+        (64, 1, 32768, 0),
+        (8, 3, None, 0),
+        (4, 2, 50, 1),
+        (3, 4, 20, 1),
+    ],
+)
 def test_gpu_sparse_mla_kernel_matches_reference(B, rows, ctx, tiny):
-    """flashinfer FA3 sparse MLA rows vs the fp32 reference at real shapes (128 heads, 512 + 64, top-k 2048), rows of
-    different lengths in one call; one plan serves two 'layers' with different selections (plan once per step).
-    Bound 1e-2 relative (Frobenius): q and the output are rounded to bf16 (2^-9 each), softmax and sums stay fp32."""
+    """flashinfer FA3 sparse MLA rows vs the fp32 reference at real shapes (128 heads, 512 + 64, top-k 2048),
+    rows of different lengths in one call; one plan serves two 'layers' with different selections (plan once
+    per step). Bound 1e-2 relative (Frobenius): q and the output are rounded to bf16 (2^-9 each), softmax and
+    sums stay fp32."""
     import kernels
+
     gen = torch.Generator("cuda").manual_seed(B * 7 + rows)
     cfg = m.Config.tiny() if tiny else m.Config.full(n_layers=2)
-    meta, cache, q_abs, q_pe, selection = _sparse_case(B, rows, ctx, gen, cfg.index_topk, cfg.n_heads, cfg.kv_lora_rank)
+    meta, cache, q_abs, q_pe, selection = _sparse_case(
+        B, rows, ctx, gen, cfg.index_topk, cfg.n_heads, cfg.kv_lora_rank
+    )
     meta.plan = kernels.plan(meta, cfg)
     for layer in range(2):
         slots = selection()
@@ -990,13 +1210,23 @@ def test_gpu_sparse_mla_kernel_matches_reference(B, rows, ctx, tiny):
 
 
 @gpu
-@pytest.mark.parametrize("S,N,H,E,V", [(1, 1, 128, 192, 128), (100, 100, 128, 192, 128), (37, 2048, 128, 192, 128),
-                                       (2048, 2048, 128, 192, 128), (30, 30, 4, 96, 32), (7, 25, 4, 96, 32)])
+@pytest.mark.parametrize(
+    "S,N,H,E,V",
+    [
+        (1, 1, 128, 192, 128),
+        (100, 100, 128, 192, 128),
+        (37, 2048, 128, 192, 128),
+        (2048, 2048, 128, 192, 128),
+        (30, 30, 4, 96, 32),
+        (7, 25, 4, 96, 32),
+    ],
+)
 def test_gpu_dense_attention_kernel_matches_reference(S, N, H, E, V):
-    """SDPA (bf16 in, fp32 softmax) vs the fp32 reference on the same bf16 inputs, 128 heads of 192 / 128; rows are
-    the last S of N positions (a chunk after cached tokens). Bound 1e-2 relative: bf16 output rounding and
-    bf16 probabilities inside the kernel."""
+    """SDPA (bf16 in, fp32 softmax) vs the fp32 reference on the same bf16 inputs, 128 heads of 192 / 128;
+    rows are the last S of N positions (a chunk after cached tokens). Bound 1e-2 relative: bf16 output
+    rounding and bf16 probabilities inside the kernel."""
     import kernels
+
     gen = torch.Generator("cuda").manual_seed(S + N)
     q, k = (torch.randn(n, H, E, generator=gen, device="cuda").to(m.BF16) for n in (S, N))
     v = torch.randn(N, H, V, generator=gen, device="cuda").to(m.BF16)
@@ -1009,14 +1239,14 @@ def test_gpu_dense_attention_kernel_matches_reference(S, N, H, E, V):
 def test_eos_stops_generation_inside_accepted_drafts(tiny_dir, monkeypatch):
     prompts = mixed_prompts(4, seed=17)
     ref = [r.token_ids for r in make_llm(tiny_dir, 0).generate(prompts, max_new_tokens=16)]
-    eos = ref[1][6]                                          # pretend this token is EOS
+    eos = ref[1][6]  # pretend this token is EOS
     for mtp in (0, 3):
         llm = make_llm(tiny_dir, mtp)
         monkeypatch.setattr(llm.cfg, "eos_token_id", eos)
         if mtp:
             oracle_drafts(monkeypatch, ref)
         out = llm.generate(prompts, max_new_tokens=16)
-        for r, want in zip(out, ref):
+        for r, want in zip(out, ref, strict=True):
             cut = want.index(eos) if eos in want else len(want)
             assert r.token_ids == want[:cut] and r.finish_reason == ("eos" if eos in want else "length")
 
@@ -1027,16 +1257,23 @@ def test_first_token_eos_with_logits(tiny_dir, monkeypatch):
     first = llm.generate([[5, 6, 7]], max_new_tokens=4)[0].token_ids[0]
     monkeypatch.setattr(llm.cfg, "eos_token_id", first)
     r = llm.generate([[5, 6, 7]], max_new_tokens=4, return_logits=True)[0]
-    assert r.token_ids == [] and r.finish_reason == "eos" and r.logits.shape == (0, m.Config.tiny().vocab_size)
+    assert (
+        r.token_ids == [] and r.finish_reason == "eos" and r.logits.shape == (0, m.Config.tiny().vocab_size)
+    )
 
 
 def test_streaming_and_prompt_encodings(tiny_dir):
     llm = make_llm(tiny_dir, 2)
     streamed = {}
-    out = llm.generate(["hi", "there"], max_new_tokens=9, on_tokens=lambda i, t: streamed.setdefault(i, []).extend(t))
+    out = llm.generate(
+        ["hi", "there"], max_new_tokens=9, on_tokens=lambda i, t: streamed.setdefault(i, []).extend(t)
+    )
     assert [streamed[0], streamed[1]] == [r.token_ids for r in out]
     tok = llm.tokenizer
-    ids = lambda s: tok.encode(s, add_special_tokens=False).ids      # noqa: E731
+
+    def ids(s):
+        return tok.encode(s, add_special_tokens=False).ids
+
     assert llm.encode("hi") == ids(m.BOS + m.USER) + ids("hi") + ids(m.ASSISTANT + m.END_THINK)
     assert llm.encode("hi", thinking=True)[-1] == tok.token_to_id(m.THINK)
     assert llm.encode("hi", raw=True) == [0] + ids("hi") and len(ids("hi")) == 2
@@ -1048,8 +1285,19 @@ def test_streaming_and_prompt_encodings(tiny_dir):
 
 def test_cli_prompt_file_and_process_exit_codes(tiny_dir, tmp_path):
     (tmp_path / "p.txt").write_text("first prompt\n\nsecond prompt\n")
-    r = _cli(["--model", tiny_dir, "--prompt-file", str(tmp_path / "p.txt"), "--max-new-tokens", "3", "--mtp", "0"],
-             tmp_path)
+    r = _cli(
+        [
+            "--model",
+            tiny_dir,
+            "--prompt-file",
+            str(tmp_path / "p.txt"),
+            "--max-new-tokens",
+            "3",
+            "--mtp",
+            "0",
+        ],
+        tmp_path,
+    )
     assert r.returncode == 0 and r.stdout.count("--- ") == 2, r.stderr
     r = _cli(["--model", tiny_dir, "--prompt", "x", "--max-new-tokens", "0"], tmp_path)
     assert r.returncode == 1 and r.stderr.strip() == "error: max_new_tokens must be > 0 (got 0)"
@@ -1064,18 +1312,23 @@ def _chi2_crit(df, z=3.09):
 
 @pytest.mark.parametrize("broken", [None, "wrong_row"])
 def test_speculative_sampling_follows_main_model_end_to_end(tiny_dir, monkeypatch, broken):
-    """The engine with the (random) MTP layer drafting: each request's 2nd token is settled by one verify round
-    (accepted draft, or a residual draw). Pooled over 1500 seeds, its counts match the main model's own
+    """The engine with the (random) MTP layer drafting: each request's 2nd token is settled by one verify
+    round (accepted draft, or a residual draw). Pooled over 1500 seeds, its counts match the main model's own
     distributions (the returned logits rows) by a chi-square test; judging a draft by the wrong verify row is
-    caught. (The acceptance rule itself is checked on exact distributions in test_rejection_sampling_is_exact.)"""
+    caught. (The acceptance rule itself is checked on exact distributions in
+    test_rejection_sampling_is_exact.)"""
     if broken:
         accept = m.speculative_accept
-        monkeypatch.setattr(m, "speculative_accept", lambda d, q, lg, *a: accept(d, q, torch.roll(lg, -1, 0), *a))
+        monkeypatch.setattr(
+            m, "speculative_accept", lambda d, q, lg, *a: accept(d, q, torch.roll(lg, -1, 0), *a)
+        )
     llm = make_llm(tiny_dir, 1, max_batch=2048)
-    monkeypatch.setattr(llm.cfg, "eos_token_id", -1)        # EOS would hide the logits row of the 2nd token
-    T, top_p = 0.6, 0.95
-    out = llm.generate([[0, 40, 50, 60]] * 1500, max_new_tokens=2, temperature=T, top_p=top_p, seed=3,
-                       return_logits=True)
+    monkeypatch.setattr(llm.cfg, "eos_token_id", -1)  # EOS would hide the logits row of the 2nd token
+    T = 0.6
+    top_p = 0.95
+    out = llm.generate(
+        [[0, 40, 50, 60]] * 1500, max_new_tokens=2, temperature=T, top_p=top_p, seed=3, return_logits=True
+    )
     assert all(len(r.token_ids) == 2 and r.accept_lengths in ([1], [2]) for r in out)
     expected = sum(m.probs_from_logits(r.logits[1:2], T, top_p)[0].double() for r in out)
     observed = torch.bincount(torch.tensor([r.token_ids[1] for r in out]), minlength=len(expected)).double()
@@ -1116,32 +1369,46 @@ def _rewrite_header(file, edit):
     """Apply edit(header dict) to a shard's JSON header, keeping its data bytes."""
     raw = open(file, "rb").read()
     n = int.from_bytes(raw[:8], "little")
-    header = json.loads(raw[8:8 + n])
+    header = json.loads(raw[8 : 8 + n])
     edit(header)
     h = json.dumps(header).encode()
-    open(file, "wb").write(len(h).to_bytes(8, "little") + h + raw[8 + n:])
+    open(file, "wb").write(len(h).to_bytes(8, "little") + h + raw[8 + n :])
 
 
-SHARD_FAULTS = ["truncated", "empty", "header_length", "corrupt_header", "header_not_object", "wrong_length",
-                "overlap", "extra_bytes", "bad_dtype", "duplicate", "index_not_json", "index_no_weight_map",
-                "index_wrong_shard", "nan_bf16", "nan_fp8"]
+SHARD_FAULTS = [
+    "truncated",
+    "empty",
+    "header_length",
+    "corrupt_header",
+    "header_not_object",
+    "wrong_length",
+    "overlap",
+    "extra_bytes",
+    "bad_dtype",
+    "duplicate",
+    "index_not_json",
+    "index_no_weight_map",
+    "index_wrong_shard",
+    "nan_bf16",
+    "nan_fp8",
+]
 
 
 @pytest.mark.parametrize("fault", SHARD_FAULTS)
 def test_damaged_shard_is_one_clear_line(tiny_dir, tmp_path, fault, capsys):
-    """Every damaged shard or index gives one ValueError line naming the file (and the tensor where there is one),
-    before any weight is read (except nan / inf values, found while reading); the CLI prints it, exit code 1.
-    A damaged safetensors header or data span is found by safetensors itself as the shard opens."""
+    """Every damaged shard or index gives one ValueError line naming the file (and the tensor where there is
+    one), before any weight is read (except nan / inf values, found while reading); the CLI prints it, exit
+    code 1. A damaged safetensors header or data span is found by safetensors itself as the shard opens."""
     from safetensors.torch import load_file, save_file
+
     bad, weight_map = _damaged_copy(tiny_dir, tmp_path)
     victim = "model.layers.1.self_attn.kv_b_proj.weight"
     shard = weight_map[victim]
     file = os.path.join(bad, shard)
     raw = open(file, "rb").read()
-    n = int.from_bytes(raw[:8], "little")
     other = next(f for f in sorted(set(weight_map.values())) if f != shard)
     expect = [shard]
-    damaged = [f"{file}: not a safetensors file, or damaged or truncated ("]      # then safetensors' own words
+    damaged = [f"{file}: not a safetensors file, or damaged or truncated ("]  # then safetensors' own words
     if fault == "truncated":
         open(file, "wb").write(raw[:-1000])
         expect = damaged
@@ -1161,7 +1428,9 @@ def test_damaged_shard_is_one_clear_line(tiny_dir, tmp_path, fault, capsys):
         _rewrite_header(file, lambda h: h[victim]["shape"].__setitem__(0, h[victim]["shape"][0] - 1))
         expect = damaged
     elif fault == "overlap":
-        _rewrite_header(file, lambda h: h[victim].update(data_offsets=[o - 8 for o in h[victim]["data_offsets"]]))
+        _rewrite_header(
+            file, lambda h: h[victim].update(data_offsets=[o - 8 for o in h[victim]["data_offsets"]])
+        )
         expect = damaged
     elif fault == "extra_bytes":
         open(file, "ab").write(b"\0" * 8)
@@ -1187,9 +1456,11 @@ def test_damaged_shard_is_one_clear_line(tiny_dir, tmp_path, fault, capsys):
             doc["weight_map"][victim] = other
             open(index, "w").write(json.dumps(doc))
             expect += [f"tensor {victim} is in {shard}, but the index says {other}"]
-    else:                                            # one nan in a bf16 tensor, or the fp8 nan code in an fp8 one
+    else:  # one nan in a bf16 tensor, or the fp8 nan code in an fp8 one
         tensors = load_file(file)
-        name = victim if fault == "nan_fp8" else next(k for k, t in tensors.items() if t.dtype == torch.bfloat16)
+        name = (
+            victim if fault == "nan_fp8" else next(k for k, t in tensors.items() if t.dtype == torch.bfloat16)
+        )
         flat = tensors[name].view(torch.uint8).flatten() if fault == "nan_fp8" else tensors[name].flatten()
         flat[7] = 0x7F if fault == "nan_fp8" else float("nan")
         save_file(tensors, file, metadata={"format": "pt"})
@@ -1206,8 +1477,9 @@ TOKENIZER_FAULTS = ["missing", "not_json", "not_a_tokenizer", "ids_beyond_vocab"
 
 @pytest.mark.parametrize("fault", TOKENIZER_FAULTS)
 def test_damaged_tokenizer_is_one_clear_line(tiny_dir, tmp_path, fault, capsys, monkeypatch):
-    """A missing or corrupt tokenizer.json, one with ids the model does not have, one without the chat format's
-    special tokens, or one whose EOS is not the config's: refused by name before any weight is loaded."""
+    """A missing or corrupt tokenizer.json, one with ids the model does not have, one without the chat
+    format's special tokens, or one whose EOS is not the config's: refused by name before any weight is
+    loaded."""
     bad, _ = _damaged_copy(tiny_dir, tmp_path)
     tok = os.path.join(bad, "tokenizer.json")
     expect = ["tokenizer.json"]
@@ -1221,9 +1493,9 @@ def test_damaged_tokenizer_is_one_clear_line(tiny_dir, tmp_path, fault, capsys, 
         open(tok, "w").write(json.dumps({"version": "1.0", "model": 5}))
         expect += ["not a valid tokenizer"]
     elif fault == "ids_beyond_vocab":
-        m.write_byte_tokenizer(bad, 300)
+        write_byte_tokenizer(bad, 300)
         expect += ["has token id 299, but the model's vocab_size is 288"]
-    elif fault == "missing_special":                  # still in the vocab, but no longer one (special) token
+    elif fault == "missing_special":  # still in the vocab, but no longer one (special) token
         doc = json.load(open(tok))
         doc["added_tokens"] = [t for t in doc["added_tokens"] if t["content"] != m.USER]
         open(tok, "w").write(json.dumps(doc))
@@ -1233,7 +1505,9 @@ def test_damaged_tokenizer_is_one_clear_line(tiny_dir, tmp_path, fault, capsys, 
         cfg["eos_token_id"] = 2
         open(os.path.join(bad, "config.json"), "w").write(json.dumps(cfg))
         expect += [f"{m.EOS} is token 1, but config.json has eos_token_id 2"]
-    monkeypatch.setattr(m, "load_model", lambda *a, **k: pytest.fail("weights loaded before the tokenizer check"))
+    monkeypatch.setattr(
+        m, "load_model", lambda *a, **k: pytest.fail("weights loaded before the tokenizer check")
+    )
     with pytest.raises(ValueError) as e:
         m.LLM(bad, device="cpu")
     assert all(x in str(e.value) for x in expect) and "\n" not in str(e.value), str(e.value)
@@ -1251,46 +1525,60 @@ def test_real_tokenizer_passes_the_checks(tmp_path):
         m.load_tokenizer(str(tmp_path), m.Config(**{**m.Config.full().__dict__, "vocab_size": 128000}))
 
 
-CONFIG_FAULTS = {           # case: (edit of the HF config dict, or raw file bytes; what the message must say)
+CONFIG_FAULTS = {  # case: (edit of the HF config dict, or raw file bytes; what the message must say)
     "not_json": (b'{"model_type": "deepseek_v32",', "not valid JSON"),
     "not_utf8": (b'{"model_type": "\xff"}', "not valid JSON"),
     "not_object": (b"[1, 2]", "expected a JSON object, not list"),
     "string_size": (dict(hidden_size="256"), "dim (hidden_size) must be an integer (got '256')"),
-    "float_layers": (dict(num_hidden_layers=3.0), "n_layers (num_hidden_layers) must be an integer (got 3.0)"),
+    "float_layers": (
+        dict(num_hidden_layers=3.0),
+        "n_layers (num_hidden_layers) must be an integer (got 3.0)",
+    ),
     "bool_groups": (dict(n_group=True), "n_expert_groups (n_group) must be an integer (got True)"),
     "null_topk": (dict(index_topk=None), "index_topk must be an integer (got None)"),
     "negative_experts": (dict(n_routed_experts=-8), "n_routed_experts must be >= 1 (got -8)"),
     "zero_heads": (dict(num_attention_heads=0), "n_heads (num_attention_heads) must be >= 1 (got 0)"),
-    "zero_mtp_ok_negative_not": (dict(num_nextn_predict_layers=-1), "n_mtp_layers (num_nextn_predict_layers) must "
-                                                                     "be >= 0 (got -1)"),
+    "zero_mtp_ok_negative_not": (
+        dict(num_nextn_predict_layers=-1),
+        "n_mtp_layers (num_nextn_predict_layers) must be >= 0 (got -1)",
+    ),
     "nan_eps": (dict(rms_norm_eps=float("nan")), "eps (rms_norm_eps) must be a finite number (got nan)"),
     "negative_eps": (dict(rms_norm_eps=-1e-6), "eps (rms_norm_eps) must be > 0 (got -1e-06)"),
-    "string_scale": (dict(routed_scaling_factor="2.5"), "route_scale (routed_scaling_factor) must be a finite"),
+    "string_scale": (
+        dict(routed_scaling_factor="2.5"),
+        "route_scale (routed_scaling_factor) must be a finite",
+    ),
     "inf_rope_factor": ("rope_inf", "rope_factor (rope_scaling.factor) must be a finite number (got inf)"),
     "rope_theta_one": (dict(rope_theta=1), "rope_theta must be > 1.0 (got 1)"),
     "eos_beyond_vocab": (dict(eos_token_id=288), "bos/eos_token_id >= vocab_size"),
     "not_multiple": (dict(hidden_size=200), "dim (hidden_size) must be a multiple of 128"),
-    "rope_not_object": (dict(rope_scaling="yarn"), "quantization_config and rope_scaling must be JSON objects"),
-    "quant_not_object": (dict(quantization_config=[]), "quantization_config and rope_scaling must be JSON objects"),
+    "rope_not_object": (
+        dict(rope_scaling="yarn"),
+        "quantization_config and rope_scaling must be JSON objects",
+    ),
+    "quant_not_object": (
+        dict(quantization_config=[]),
+        "quantization_config and rope_scaling must be JSON objects",
+    ),
     "architectures_int": (dict(model_type=None, architectures=5), "is not a DeepSeek-V3.2 config"),
 }
 
 
 @pytest.mark.parametrize("case", list(CONFIG_FAULTS))
 def test_broken_config_is_one_clear_line(tmp_path, case, capsys):
-    """config.json that is not JSON, or whose values are of the wrong type or impossible for the model: one line
-    naming the file and the field (its config.json name too), from the API and the CLI."""
+    """config.json that is not JSON, or whose values are of the wrong type or impossible for the model: one
+    line naming the file and the field (its config.json name too), from the API and the CLI."""
     edit, message = CONFIG_FAULTS[case]
     path = tmp_path / "config.json"
     if isinstance(edit, bytes):
         path.write_bytes(edit)
     else:
-        hf = m.Config.tiny().to_hf()
+        hf = hf_config(m.Config.tiny())
         if edit == "rope_inf":
             hf["rope_scaling"]["factor"] = float("inf")
         else:
             hf.update(edit)
-        path.write_text(json.dumps(hf))                   # json writes nan / inf as NaN / Infinity, as it reads them
+        path.write_text(json.dumps(hf))  # json writes nan / inf as NaN / Infinity, as it reads them
     with pytest.raises(ValueError) as e:
         m.Config.from_json(str(tmp_path))
     assert str(path) in str(e.value) and message in str(e.value) and "\n" not in str(e.value), str(e.value)
@@ -1298,15 +1586,18 @@ def test_broken_config_is_one_clear_line(tmp_path, case, capsys):
 
 
 def test_config_class_refuses_wrong_types():
-    for kw, message in ((dict(dim=256.0), "dim (hidden_size) must be an integer"), (dict(n_layers=True), "got True"),
-                        (dict(mscale=float("inf")), "mscale (rope_scaling.mscale) must be a finite number"),
-                        (dict(beta_slow=0.0), "beta_slow (rope_scaling.beta_slow) must be > 0")):
+    for kw, message in (
+        (dict(dim=256.0), "dim (hidden_size) must be an integer"),
+        (dict(n_layers=True), "got True"),
+        (dict(mscale=float("inf")), "mscale (rope_scaling.mscale) must be a finite number"),
+        (dict(beta_slow=0.0), "beta_slow (rope_scaling.beta_slow) must be > 0"),
+    ):
         with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)")):
             m.Config.tiny(**kw)
-    assert m.Config.tiny(n_dense_layers=0, n_mtp_layers=0, mscale=-0.5).n_mtp_layers == 0    # these may be 0
+    assert m.Config.tiny(n_dense_layers=0, n_mtp_layers=0, mscale=-0.5).n_mtp_layers == 0  # these may be 0
 
 
-GENERATE_FAULTS = {         # case: (generate arguments, the message)
+GENERATE_FAULTS = {  # case: (generate arguments, the message)
     "temperature_nan": (dict(temperature=float("nan")), "temperature must be a finite number (got nan)"),
     "temperature_inf": (dict(temperature=float("inf")), "temperature must be a finite number (got inf)"),
     "temperature_str": (dict(temperature="0.5"), "temperature must be a finite number (got '0.5')"),
@@ -1350,7 +1641,7 @@ def test_bad_generate_arguments_are_refused(tiny_dir, case):
     assert message in str(e.value) and "\n" not in str(e.value), str(e.value)
 
 
-LLM_FAULTS = {              # case: (LLM arguments, the message)
+LLM_FAULTS = {  # case: (LLM arguments, the message)
     "mtp_float": (dict(mtp=1.0), "mtp must be an integer (got 1.0)"),
     "mtp_bool": (dict(mtp=True), "mtp must be an integer (got True)"),
     "mtp_negative": (dict(mtp=-1), "mtp must be >= 0 (got -1)"),
@@ -1361,7 +1652,7 @@ LLM_FAULTS = {              # case: (LLM arguments, the message)
     "kv_float": (dict(kv_cache_bytes=1.5e9), "kv_cache_bytes must be an integer (got 1500000000.0)"),
     "kv_str": (dict(kv_cache_bytes="1G"), "kv_cache_bytes must be an integer (got '1G')"),
     "kv_too_small": (dict(kv_cache_bytes=1000), "kv_cache_bytes=1000: less than two pages of the KV pool"),
-    "kv_too_big": (dict(kv_cache_bytes=10 ** 18), "kv_cache_bytes=1000000000000000000: more than the"),
+    "kv_too_big": (dict(kv_cache_bytes=10**18), "kv_cache_bytes=1000000000000000000: more than the"),
     "max_context_zero": (dict(max_context=0), "max_context must be >= 1 (got 0)"),
     "max_context_float": (dict(max_context=4096.0), "max_context must be an integer (got 4096.0)"),
     "device_meta": (dict(device="meta"), "device 'meta': nano-nsa runs on cpu or cuda"),
@@ -1377,13 +1668,15 @@ def test_bad_llm_arguments_are_refused_before_loading(tiny_dir, tmp_path, case, 
     if kw == "file":
         (tmp_path / "f").write_text("")
         kw = dict(model_dir=str(tmp_path / "f"))
-    monkeypatch.setattr(m, "load_model", lambda *a, **k: pytest.fail("weights loaded before the argument check"))
+    monkeypatch.setattr(
+        m, "load_model", lambda *a, **k: pytest.fail("weights loaded before the argument check")
+    )
     with pytest.raises(ValueError) as e:
         m.LLM(**{"model_dir": tiny_dir, "device": "cpu", **kw})
     assert message in str(e.value) and "\n" not in str(e.value), str(e.value)
 
 
-CLI_FAULTS = {              # case: (extra CLI arguments, the message)
+CLI_FAULTS = {  # case: (extra CLI arguments, the message)
     "temperature_nan": (["--temperature", "nan"], "temperature must be a finite number (got nan)"),
     "temperature_inf": (["--temperature", "inf"], "temperature must be a finite number (got inf)"),
     "top_p_nan": (["--top-p", "nan"], "top_p must be a finite number (got nan)"),
@@ -1392,7 +1685,10 @@ CLI_FAULTS = {              # case: (extra CLI arguments, the message)
     "max_context_negative": (["--max-context", "-5"], "max_context must be >= 1 (got -5)"),
     "mtp_negative": (["--mtp", "-1"], "mtp must be >= 0 (got -1)"),
     "max_new_tokens_negative": (["--max-new-tokens", "-2"], "max_new_tokens must be > 0 (got -2)"),
-    "max_new_tokens_float": (["--max-new-tokens", "2.5"], "argument --max-new-tokens: invalid int value: '2.5'"),
+    "max_new_tokens_float": (
+        ["--max-new-tokens", "2.5"],
+        "argument --max-new-tokens: invalid int value: '2.5'",
+    ),
     "seed_float": (["--seed", "1.5"], "argument --seed: invalid int value: '1.5'"),
     "temperature_word": (["--temperature", "hot"], "argument --temperature: invalid float value: 'hot'"),
     "device_meta": (["--device", "meta"], "nano-nsa runs on cpu or cuda"),
@@ -1407,7 +1703,9 @@ def test_cli_bad_options_are_one_clear_line(tiny_dir, tmp_path, case, capsys, mo
     """Each refused before any weight is loaded."""
     extra, message = CLI_FAULTS[case]
     monkeypatch.chdir(tmp_path)
-    monkeypatch.setattr(m, "load_model", lambda *a, **k: pytest.fail("weights loaded before the option check"))
+    monkeypatch.setattr(
+        m, "load_model", lambda *a, **k: pytest.fail("weights loaded before the option check")
+    )
     (tmp_path / "bin").write_bytes(b"ok\n\xff\xfe\n")
     err = _cli_error(["--model", tiny_dir, "--prompt", "hi", "--max-new-tokens", "2"] + extra, capsys)
     assert message in err, err
@@ -1424,48 +1722,66 @@ def test_tiny_temperature_samples_like_the_reference_floor(tiny_dir):
 def test_damaged_model_process_exit_is_one_line(tiny_dir, tmp_path, fault):
     """As a user runs it: a separate process, exit code 1, one line on stderr, no traceback."""
     bad, weight_map = _damaged_copy(tiny_dir, tmp_path)
-    file = os.path.join(bad, "tokenizer.json" if fault == "corrupt_tokenizer" else sorted(set(weight_map.values()))[0])
+    file = os.path.join(
+        bad, "tokenizer.json" if fault == "corrupt_tokenizer" else sorted(set(weight_map.values()))[0]
+    )
     open(file, "wb").write(open(file, "rb").read()[:-50])
     r = _cli(["--model", bad, "--prompt", "hi"], tmp_path)
     assert r.returncode == 1 and r.stderr.count("\n") == 1 and "Traceback" not in r.stderr, r.stderr
-    assert r.stderr.startswith(f"error: {file}: ") and ("truncated" in r.stderr or "not a valid tokenizer" in r.stderr)
+    assert r.stderr.startswith(f"error: {file}: ") and (
+        "truncated" in r.stderr or "not a valid tokenizer" in r.stderr
+    )
 
 
 # ------------------------------------------------------------------------------------------------------------
 # GPU: FP8 activation quantization, block-scaled GEMM, grouped MoE (real shapes; skipped without CUDA)
 # ------------------------------------------------------------------------------------------------------------
 def _fp8_weight(*shape, gen):
-    """Random FP8 weights with random power-of-two 128x128 block scales, built in chunks (11 GB for 256 experts)."""
+    """Random FP8 weights with random power-of-two 128x128 block scales, built in chunks (11 GB for 256
+    experts)."""
     w = torch.empty(*shape, dtype=m.FP8, device="cuda")
     for i in range(0, shape[0], 16):
-        w[i:i + 16] = (torch.randn(w[i:i + 16].shape, generator=gen, device="cuda") * 32).clamp(-448, 448).to(m.FP8)
-    s = 2.0 ** torch.randint(-14, -11, (*shape[:-2], -(-shape[-2] // 128), shape[-1] // 128), generator=gen,
-                              device="cuda").float()
+        w[i : i + 16] = (
+            (torch.randn(w[i : i + 16].shape, generator=gen, device="cuda") * 32).clamp(-448, 448).to(m.FP8)
+        )
+    s = (
+        2.0
+        ** torch.randint(
+            -14, -11, (*shape[:-2], -(-shape[-2] // 128), shape[-1] // 128), generator=gen, device="cuda"
+        ).float()
+    )
     return w, s
 
 
 @gpu
 @pytest.mark.parametrize("M,K", [(1, 7168), (7, 1536), (512, 2048), (64, 16384)])
 def test_gpu_act_quant_kernel_is_bit_exact(M, K):
-    """Triton act_quant = the reference bit for bit (same pow2 scale rule, round-to-nearest-even e4m3), on values
-    with outliers spanning many binades."""
+    """Triton act_quant = the reference bit for bit (same pow2 scale rule, round-to-nearest-even e4m3), on
+    values with outliers spanning many binades."""
     import kernels
+
     gen = torch.Generator("cuda").manual_seed(M + K)
-    x = (torch.randn(M, K, generator=gen, device="cuda") * torch.randn(M, K, generator=gen, device="cuda").mul(3).exp()
-         ).to(m.BF16)
+    x = (
+        torch.randn(M, K, generator=gen, device="cuda")
+        * torch.randn(M, K, generator=gen, device="cuda").mul(3).exp()
+    ).to(m.BF16)
     (q, s), (rq, rs) = kernels.act_quant(x), m.act_quant(x)
     assert torch.equal(s, rs) and torch.equal(q.view(torch.uint8), rq.view(torch.uint8))
 
 
 @gpu
-@pytest.mark.parametrize("N,K", [(1536, 7168), (24576, 1536), (576, 7168), (7168, 16384), (18432, 7168),
-                                 (7168, 18432), (128, 7168)])
+@pytest.mark.parametrize(
+    "N,K",
+    [(1536, 7168), (24576, 1536), (576, 7168), (7168, 16384), (18432, 7168), (7168, 18432), (128, 7168)],
+)
 @pytest.mark.parametrize("M", [1, 4, 16, 64, 512])
 def test_gpu_fp8_linear_matches_reference(M, N, K):
-    """The Triton block-scaled FP8 GEMM (with act-quant) vs the reference at the real projection shapes (q_a, q_b,
-    kv_a, o, dense w1 / w2, indexer wk). Bound 1e-2 relative (Frobenius): the output is rounded to bf16 (2^-9)
-    and Hopper's FP8 tensor cores sum each 128-wide block with about 14 bits before its fp32 promotion."""
+    """The Triton block-scaled FP8 GEMM (with act-quant) vs the reference at the real projection shapes (q_a,
+    q_b, kv_a, o, dense w1 / w2, indexer wk). Bound 1e-2 relative (Frobenius): the output is rounded to bf16
+    (2^-9) and Hopper's FP8 tensor cores sum each 128-wide block with about 14 bits before its fp32
+    promotion."""
     import kernels
+
     gen = torch.Generator("cuda").manual_seed(M * 7 + N + K)
     w, s = _fp8_weight(N, K, gen=gen)
     x = torch.randn(M, K, generator=gen, device="cuda").to(m.BF16)
@@ -1483,11 +1799,12 @@ def experts_full():
 @pytest.mark.parametrize("case", ["random", "one_expert_for_all"])
 @pytest.mark.parametrize("T", [1, 4, 16, 64, 512])
 def test_gpu_moe_kernel_matches_reference(experts_full, T, case):
-    """Grouped FP8 MoE vs the per-expert reference loop: 256 experts, top-8, dim 7168, moe_inter 2048; tokens that
-    all pick the same expert, and (at small T) most experts picked by no token. Bound 1e-2 relative: two bf16
-    roundings (h, expert output), FP8 tensor-core accumulation, and the rare h element whose act-quant rounding
-    flips by one e4m3 step between the two summation orders."""
+    """Grouped FP8 MoE vs the per-expert reference loop: 256 experts, top-8, dim 7168, moe_inter 2048; tokens
+    that all pick the same expert, and (at small T) most experts picked by no token. Bound 1e-2 relative: two
+    bf16 roundings (h, expert output), FP8 tensor-core accumulation, and the rare h element whose act-quant
+    rounding flips by one e4m3 step between the two summation orders."""
     import kernels
+
     gen = torch.Generator("cuda").manual_seed(T + len(case))
     idx = torch.rand(T, 256, generator=gen, device="cuda").topk(8, -1).indices
     if case == "one_expert_for_all":
@@ -1505,90 +1822,192 @@ def test_gpu_moe_kernel_matches_reference(experts_full, T, case):
 # ------------------------------------------------------------------------------------------------------------
 # tensor and expert parallelism: torchrun with gloo on CPU, TP=2 against TP=1
 # ------------------------------------------------------------------------------------------------------------
-TP_CONFIG = dict(n_heads=16, n_shared_experts=4)   # Config.tiny whose splits are whole 128-blocks at 2 and 4 ranks
+# Config.tiny whose splits are whole 128-blocks at 2 and 4 ranks
+TP_CONFIG = dict(n_heads=16, n_shared_experts=4)
 
 
 @pytest.fixture(scope="session")
 def calm_tp_dir(tmp_path_factory):
     src = str(tmp_path_factory.mktemp("tp_src"))
-    m.save_random_checkpoint(src, m.Config.tiny(**TP_CONFIG), seed=1, shard_bytes=1 << 20)
+    save_random_checkpoint(src, m.Config.tiny(**TP_CONFIG), seed=1, shard_bytes=1 << 20)
     return _damped_copy(src, str(tmp_path_factory.mktemp("tp_calm")))
 
 
+@contextlib.contextmanager
+def count_reads():
+    """Within the block, safetensors.safe_open is wrapped so that every tensor slice the loader reads adds its
+    bytes to the yielded counter [n] (headers and shapes cost nothing)."""
+    import safetensors
+
+    real = safetensors.safe_open
+    counter = [0]
+
+    class Slice:
+        def __init__(self, part):
+            self.part = part
+
+        def get_shape(self):
+            return self.part.get_shape()
+
+        def get_dtype(self):
+            return self.part.get_dtype()
+
+        def __getitem__(self, index):
+            t = self.part[index]
+            counter[0] += t.numel() * t.element_size()
+            return t
+
+    class File:
+        def __init__(self, *args, **kwargs):
+            self.file = real(*args, **kwargs)
+
+        def __enter__(self):
+            self.file.__enter__()
+            return self
+
+        def __exit__(self, *exc):
+            return self.file.__exit__(*exc)
+
+        def keys(self):
+            return self.file.keys()
+
+        def get_slice(self, name):
+            return Slice(self.file.get_slice(name))
+
+    safetensors.safe_open = File
+    try:
+        yield counter
+    finally:
+        safetensors.safe_open = real
+
+
 def _tp_run(model_dir, out, device="cpu", kernels="torch"):
-    """What each rank does (the whole run at TP=1): greedy tokens for the prompts in out/prompts.json with MTP off and
-    with 2 drafts, recording every indexer selection, every draft token and the bytes the loader read; saved to
-    out/rank{r}.pt."""
-    llm = m.LLM(model_dir, device=device, mtp=2, kernels=kernels, kv_cache_bytes=64 << 20)   # GPUs: room for ranks
-    # MTP off runs eagerly: its indexer selections are recorded in every step (a CUDA graph's replays are not seen
-    # from Python); with 2 drafts the rounds run through CUDA graphs on a GPU (captured under NCCL at TP > 1)
-    llms = {0: m.LLM(model_dir, device=device, mtp=0, model=llm.model, kv_cache_bytes=64 << 20, cuda_graphs=False),
-            2: llm}
-    llm.cfg.eos_token_id = -1                       # every request runs all its tokens
+    """What each rank does (the whole run at TP=1): greedy tokens for the prompts in out/prompts.json with MTP
+    off and with 2 drafts, recording every indexer selection, every draft token and the bytes the loader read;
+    saved to out/rank{r}.pt."""
+    with count_reads() as bytes_read:  # GPUs: room for ranks in kv_cache_bytes
+        llm = m.LLM(model_dir, device=device, mtp=2, kernels=kernels, kv_cache_bytes=64 << 20)
+    # MTP off runs eagerly: its indexer selections are recorded in every step (a CUDA graph's replays are not
+    # seen from Python); with 2 drafts the rounds run through CUDA graphs on a GPU (captured under NCCL at
+    # TP > 1)
+    llms = {
+        0: m.LLM(
+            model_dir, device=device, mtp=0, model=llm.model, kv_cache_bytes=64 << 20, cuda_graphs=False
+        ),
+        2: llm,
+    }
+    llm.cfg.eos_token_id = -1  # every request runs all its tokens
     with open(os.path.join(out, "prompts.json")) as f:
         prompts = json.load(f)
-    ops, selections, drafts, pick = llm.model.ops, [], [], m.LLM._pick
+    ops = llm.model.ops
+    selections = []
+    drafts = []
+    pick = m.pick_drafts
     index_topk = ops.index_topk
     capturing = torch.cuda.is_current_stream_capturing if device == "cuda" else (lambda: False)
 
     def record(sel):
-        if not capturing():                           # a graph's capture: a static buffer, rewritten by replays
+        if not capturing():  # a graph's capture: a static buffer, rewritten by replays
             selections.append(sel.clone())
         return sel
+
     ops.index_topk = lambda *a: record(index_topk(*a))
-    m.LLM._pick = lambda *a: drafts.append(pick(*a)) or drafts[-1]
+    m.pick_drafts = lambda *a: drafts.append(pick(*a)) or drafts[-1]
     try:
         runs = {k: e.generate(prompts, max_new_tokens=8, return_logits=True) for k, e in llms.items()}
     finally:
-        ops.index_topk, m.LLM._pick = index_topk, pick
-    torch.save(dict(tokens={k: [r.token_ids for r in rs] for k, rs in runs.items()}, selections=selections,
-                    drafts=[t.tolist() for t, _ in drafts], accept=[r.accept_lengths for r in runs[2]],
-                    logits=[r.logits for r in runs[0]], bytes=llm.model.loaded_bytes),
-               os.path.join(out, f"rank{m.tp_rank()}.pt"))
+        ops.index_topk = index_topk
+        m.pick_drafts = pick
+    torch.save(
+        dict(
+            tokens={k: [r.token_ids for r in rs] for k, rs in runs.items()},
+            selections=selections,
+            drafts=[t.tolist() for t, _ in drafts],
+            accept=[r.accept_lengths for r in runs[2]],
+            logits=[r.logits for r in runs[0]],
+            bytes=bytes_read[0],
+        ),
+        os.path.join(out, f"rank{m.tp_rank()}.pt"),
+    )
 
 
 def _tp_share(cfg, name, nbytes, rank, ranks):
-    """Bytes of checkpoint tensor `name` that rank `rank` must read, from the official reference's TP layout (spec
-    2.4): routed experts whole, by index range; MLA q_b / kv_b / o_proj, dense MLP and shared expert, embeddings and
-    heads one equal slice per rank (their block scales alike); everything else (the indexer too) whole."""
+    """Bytes of checkpoint tensor `name` that rank `rank` must read, from the official reference's TP layout
+    (spec 2.4): routed experts whole, by index range; MLA q_b / kv_b / o_proj, dense MLP and shared expert,
+    embeddings and heads one equal slice per rank (their block scales alike); everything else (the indexer
+    too) whole."""
     expert = re.search(r"\.experts\.(\d+)\.", name)
     if expert:
         return nbytes if int(expert[1]) // (cfg.n_routed_experts // ranks) == rank else 0
-    split = re.search(r"self_attn\.(q_b_proj|kv_b_proj|o_proj)\.|mlp\.(shared_experts\.)?(gate|up|down)_proj\.|"
-                      r"embed_tokens|lm_head|shared_head\.head", name)
+    split = re.search(
+        r"self_attn\.(q_b_proj|kv_b_proj|o_proj)\.|mlp\.(shared_experts\.)?(gate|up|down)_proj\.|"
+        r"embed_tokens|lm_head|shared_head\.head",
+        name,
+    )
     return nbytes // ranks if split else nbytes
 
 
 def _tp_runs(model_dir, tmp_path, n, device, kernels):
-    """TP=1 in this process, then `torchrun --nproc-per-node n` of the same; -> (TP=1's record, the ranks' records),
-    after checking what must hold on any device: every rank the same tokens, drafts, logits and indexer selections
-    (in every layer and step), and each rank's bytes read = its share of the checkpoint (computed here)."""
+    """TP=1 in this process, then `torchrun --nproc-per-node n` of the same; -> (TP=1's record, the ranks'
+    records), after checking what must hold on any device: every rank the same tokens, drafts, logits and
+    indexer selections (in every layer and step), and each rank's bytes read = its share of the checkpoint
+    (computed here)."""
     import subprocess
+
     from safetensors.torch import load_file
-    g = torch.Generator().manual_seed(5)              # contexts > index_topk 32: real top-k selections
+
+    g = torch.Generator().manual_seed(5)  # contexts > index_topk 32: real top-k selections
     prompts = [torch.randint(6, 262, (k,), generator=g).tolist() for k in (70, 41, 55, 36)]
     os.makedirs(tmp_path / "tp")
     for d in (tmp_path, tmp_path / "tp"):
         (d / "prompts.json").write_text(json.dumps(prompts))
     _tp_run(model_dir, str(tmp_path), device, kernels)
     here = os.path.dirname(os.path.abspath(__file__))
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join([here, os.environ.get("PYTHONPATH", "")]))
-    r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(n),
-                        os.path.join(here, "test_nano.py"), "tp-run", model_dir, str(tmp_path / "tp"), device, kernels],
-                       capture_output=True, text=True, env=env, timeout=300, cwd=str(tmp_path))
+    env = dict(
+        os.environ, OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join([here, os.environ.get("PYTHONPATH", "")])
+    )
+    r = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc-per-node",
+            str(n),
+            os.path.join(here, "test_nano.py"),
+            "tp-run",
+            model_dir,
+            str(tmp_path / "tp"),
+            device,
+            kernels,
+        ],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
+        cwd=str(tmp_path),
+    )
     assert r.returncode == 0, r.stderr[-3000:]
-    one, *ranks = (torch.load(d / f"rank{i}.pt", map_location="cpu") for d, i in
-                   [(tmp_path, 0)] + [(tmp_path / "tp", i) for i in range(n)])
+    one, *ranks = (
+        torch.load(d / f"rank{i}.pt", map_location="cpu")
+        for d, i in [(tmp_path, 0)] + [(tmp_path / "tp", i) for i in range(n)]
+    )
     for x in ranks[1:]:
         for key in ("tokens", "drafts", "accept"):
             assert x[key] == ranks[0][key], key
-        assert all(torch.equal(a, b) for a, b in zip(x["logits"], ranks[0]["logits"]))
+        assert all(torch.equal(a, b) for a, b in zip(x["logits"], ranks[0]["logits"], strict=True))
         assert len(x["selections"]) == len(ranks[0]["selections"]) > 20
-        assert all(torch.equal(a, b) for a, b in zip(x["selections"], ranks[0]["selections"])), "indexer selections"
-    assert max(s.shape[1] for s in one["selections"]) == 32                # top-k of longer contexts ran
+        assert all(torch.equal(a, b) for a, b in zip(x["selections"], ranks[0]["selections"], strict=True)), (
+            "indexer selections"
+        )
+    assert max(s.shape[1] for s in one["selections"]) == 32  # top-k of longer contexts ran
     cfg = m.Config.from_json(model_dir)
-    sizes = {k: t.numel() * t.element_size() for f in os.listdir(model_dir) if f.endswith(".safetensors")
-             for k, t in load_file(os.path.join(model_dir, f)).items()}
+    sizes = {
+        k: t.numel() * t.element_size()
+        for f in os.listdir(model_dir)
+        if f.endswith(".safetensors")
+        for k, t in load_file(os.path.join(model_dir, f)).items()
+    }
     assert one["bytes"] == sum(sizes.values())
     for rank, got in enumerate(ranks):
         assert got["bytes"] == sum(_tp_share(cfg, k, b, rank, n) for k, b in sizes.items()), f"rank {rank}"
@@ -1596,30 +2015,32 @@ def _tp_runs(model_dir, tmp_path, n, device, kernels):
 
 
 def test_tensor_parallel_sizes_that_would_cut_fp8_blocks_are_refused():
-    """The 671B shapes split into whole 128-blocks at 1 to 16 ranks, not at 32 (18432 / 32 = 576 dense MLP rows) or 3
-    (heads); Config.tiny's q_b_proj (4 heads x 96 = 384 rows) cannot split in two."""
+    """The 671B shapes split into whole 128-blocks at 1 to 16 ranks, not at 32 (18432 / 32 = 576 dense MLP
+    rows) or 3 (heads); Config.tiny's q_b_proj (4 heads x 96 = 384 rows) cannot split in two."""
     for n in (1, 2, 4, 8, 16):
         m.Config.full().check_tp(n)
-    for cfg, n, why in [(m.Config.full(), 32, "inter_dim = 18432 must be a multiple of 4096"),
-                        (m.Config.full(), 3, "n_heads = 128 must be a multiple of 3"),
-                        (m.Config.tiny(), 2, "q_b_proj rows (n_heads * qk_head_dim) = 384 must be a multiple of 256")]:
+    for cfg, n, why in [
+        (m.Config.full(), 32, "inter_dim = 18432 must be a multiple of 4096"),
+        (m.Config.full(), 3, "n_heads = 128 must be a multiple of 3"),
+        (m.Config.tiny(), 2, "q_b_proj rows (n_heads * qk_head_dim) = 384 must be a multiple of 256"),
+    ]:
         with pytest.raises(ValueError, match=re.escape(f"tensor parallel size {n}: {why}")):
             cfg.check_tp(n)
     m.Config.tiny(**TP_CONFIG).check_tp(4)
 
 
 def test_tensor_parallel_two_ranks_equal_one(calm_tp_dir, tmp_path):
-    """torchrun --nproc-per-node 2 (gloo on CPU) gives TP=1's greedy tokens with MTP off and on, and the same draft
-    tokens (the MTP layer is sharded right too); both ranks' indexers select the same positions in every layer and
-    step; each rank read exactly its share of the checkpoint's bytes (its experts, its slices of the split tensors,
-    the replicated ones whole)."""
+    """torchrun --nproc-per-node 2 (gloo on CPU) gives TP=1's greedy tokens with MTP off and on, and the same
+    draft tokens (the MTP layer is sharded right too); both ranks' indexers select the same positions in every
+    layer and step; each rank read exactly its share of the checkpoint's bytes (its experts, its slices of the
+    split tensors, the replicated ones whole)."""
     dist = pytest.importorskip("torch.distributed")
     if not dist.is_available() or not dist.is_gloo_available():
         pytest.skip("torch.distributed with gloo is not available")
     one, ranks = _tp_runs(calm_tp_dir, tmp_path, 2, "cpu", "torch")
-    # the parts are summed before the one rounding per block half, so TP=2 computes TP=1's numbers (CPU: fp64 sums,
-    # equal to ~1e-16 before that rounding; measured: bit-identical logits)
-    assert max((a - b).abs().max() for a, b in zip(ranks[0]["logits"], one["logits"])) < 1e-2
+    # the parts are summed before the one rounding per block half, so TP=2 computes TP=1's numbers (CPU: fp64
+    # sums, equal to ~1e-16 before that rounding; measured: bit-identical logits)
+    assert max((a - b).abs().max() for a, b in zip(ranks[0]["logits"], one["logits"], strict=True)) < 1e-2
     for k in (0, 2):
         assert ranks[0]["tokens"][k] == one["tokens"][k], f"mtp={k}"
     assert ranks[0]["drafts"] == one["drafts"] and sum(map(len, one["drafts"])) > 20
@@ -1629,27 +2050,36 @@ def test_tensor_parallel_two_ranks_equal_one(calm_tp_dir, tmp_path):
 @gpu
 @pytest.mark.parametrize("n", [2, 4])
 def test_gpu_tensor_parallel_equals_one(calm_tp_dir, tmp_path, n):
-    """On n GPUs (NCCL, kernels.py): every rank the same tokens, drafts and indexer selections, each its share of
-    the bytes; greedy tokens (MTP off and on) and drafts equal TP=1's on one GPU. The GEMMs split K differently at
-    other output widths (fp32 summation order), so a token may differ only after a near-tie: a top-1 margin under 4x
-    the largest logit difference of the shared prefill (the numerical noise); the rest of that request is not
-    compared."""
+    """On n GPUs (NCCL, kernels.py): every rank the same tokens, drafts and indexer selections, each its share
+    of the bytes; greedy tokens (MTP off and on) and drafts equal TP=1's on one GPU. The GEMMs split K
+    differently at other output widths (fp32 summation order), so a token may differ only after a near-tie: a
+    top-1 margin under 4x the largest logit difference of the shared prefill (the numerical noise); the rest
+    of that request is not compared."""
     if torch.cuda.device_count() < n:
         pytest.skip(f"needs {n} GPUs")
     one, ranks = _tp_runs(calm_tp_dir, tmp_path, n, "cuda", "gpu")
-    noise = max((a[0] - b[0]).abs().max().item() for a, b in zip(ranks[0]["logits"], one["logits"]))
+    noise = max(
+        (a[0] - b[0]).abs().max().item() for a, b in zip(ranks[0]["logits"], one["logits"], strict=True)
+    )
     tol = max(4 * noise, 1e-3)
     compared = 0
     for k in (0, 2):
-        for i, (a, b) in enumerate(zip(one["tokens"][k], ranks[0]["tokens"][k])):
+        for i, (a, b) in enumerate(zip(one["tokens"][k], ranks[0]["tokens"][k], strict=True)):
             j, margin = _first_split(a, b, _margin(one["logits"][i]))
-            assert margin is None or margin < tol, f"mtp={k} prompt {i} differs at token {j}, margin {margin} >= {tol}"
+            assert margin is None or margin < tol, (
+                f"mtp={k} prompt {i} differs at token {j}, margin {margin} >= {tol}"
+            )
             compared += j
-    print(f"TP={n} vs TP=1 on GPU: first-token logit noise {noise:.2e}, {compared}/64 tokens equal before a near-tie")
+    print(
+        f"TP={n} vs TP=1 on GPU: first-token logit noise {noise:.2e}, "
+        f"{compared}/64 tokens equal before a near-tie"
+    )
 
 
-if __name__ == "__main__" and sys.argv[1:2] == ["tp-run"]:      # torchrun test_nano.py tp-run DIR OUT DEVICE KERNELS
-    import faulthandler                                         # a hung rank: its Python stack, not a silent timeout
+# torchrun test_nano.py tp-run DIR OUT DEVICE KERNELS
+if __name__ == "__main__" and sys.argv[1:2] == ["tp-run"]:
+    import faulthandler  # a hung rank: its Python stack, not a silent timeout
+
     faulthandler.dump_traceback_later(float(os.environ.get("NANO_TP_HANG_S", 240)), exit=True)
     _tp_run(*sys.argv[2:6])
     m.end_distributed(graphed=sys.argv[4] == "cuda")
@@ -1664,6 +2094,7 @@ needs_demo = pytest.mark.skipif(not os.path.isfile(DEMO_EVAL), reason="demo/ che
 
 def _train_demo():
     import importlib.util
+
     here = os.path.dirname(os.path.abspath(__file__))
     spec = importlib.util.spec_from_file_location("train_demo", os.path.join(here, "tools", "train_demo.py"))
     td = importlib.util.module_from_spec(spec)
@@ -1673,8 +2104,8 @@ def _train_demo():
 
 @needs_demo
 def test_cli_default_model_is_the_demo_and_writes_python():
-    """`python nano_nsa.py --prompt "def fibonacci(n):" --raw`: the default checkpoint is demo/, and it continues
-    code: indented lines and Python keywords (a random model prints byte noise)."""
+    """`python nano_nsa.py --prompt "def fibonacci(n):" --raw`: the default checkpoint is demo/, and it
+    continues code: indented lines and Python keywords (a random model prints byte noise)."""
     r = _cli(["--prompt", "def fibonacci(n):", "--raw", "--max-new-tokens", "48", "--mtp", "3"])
     assert r.returncode == 0, r.stderr
     text = r.stdout
@@ -1683,14 +2114,15 @@ def test_cli_default_model_is_the_demo_and_writes_python():
     print(repr(text), r.stderr.strip().splitlines()[-1])
     assert len(indented) >= 2 and len(keywords) >= 2, text
     mean = float(re.search(r"mean accepted length ([0-9.]+)", r.stderr)[1])
-    assert mean > 1.0                                     # some drafts accepted (random MTP layers: 1.00)
+    assert mean > 1.0  # some drafts accepted (random MTP layers: 1.00)
 
 
 @needs_demo
 def test_demo_fp8_held_out_loss_within_2pct_of_bf16():
-    """The exported FP8 model's held-out loss, from the engine's own prefill logits (load_model, FP8 GEMMs, FP8
-    latent cache, sparse top-k), against the bf16 model's loss on the same chunks, measured by the training script
-    before export (the bf16 weights are not shipped). The first 4 of the 32 stored chunks (512 tokens each)."""
+    """The exported FP8 model's held-out loss, from the engine's own prefill logits (load_model, FP8 GEMMs,
+    FP8 latent cache, sparse top-k), against the bf16 model's loss on the same chunks, measured by the
+    training script before export (the bf16 weights are not shipped). The first 4 of the 32 stored chunks (512
+    tokens each)."""
     td = _train_demo()
     with open(DEMO_EVAL) as f:
         ev = json.load(f)
@@ -1698,29 +2130,33 @@ def test_demo_fp8_held_out_loss_within_2pct_of_bf16():
     bf16 = ev["bf16_loss"][:4]
     print(f"held-out loss: FP8 engine {sum(fp8) / 4:.4f}, bf16 {sum(bf16) / 4:.4f}")
     assert sum(fp8) <= 1.02 * sum(bf16)
-    assert sum(fp8) / 4 < 4.0                             # a trained model (uniform over 2048 ids: 7.6)
+    assert sum(fp8) / 4 < 4.0  # a trained model (uniform over 2048 ids: 7.6)
 
 
 @needs_demo
 def test_demo_mtp_acceptance_and_speculative_equals_plain():
-    """Greedy --mtp 3 on the held-out code prompts stored with the demo: mean accepted length (drafts + bonus per
-    round) at least 2.0, and the tokens equal plain greedy decoding (--mtp 0) token for token."""
+    """Greedy --mtp 3 on the held-out code prompts stored with the demo: mean accepted length (drafts + bonus
+    per round) at least 2.0, and the tokens equal plain greedy decoding (--mtp 0) token for token."""
     with open(DEMO_EVAL) as f:
         prompts = json.load(f)["prompts"]
     spec = m.LLM(mtp=3, device="cpu")
     got = spec.generate(prompts, max_new_tokens=48, raw=True)
     plain = m.LLM(mtp=0, device="cpu").generate(prompts, max_new_tokens=48, raw=True)
-    print(f"mean accepted length {spec.stats['mean_accept_length']:.2f}, histogram {spec.stats['accept_histogram']}")
+    print(
+        f"mean accepted length {spec.stats['mean_accept_length']:.2f}, "
+        f"histogram {spec.stats['accept_histogram']}"
+    )
     assert [r.token_ids for r in got] == [r.token_ids for r in plain]
     assert spec.stats["mean_accept_length"] >= 2.0
 
 
 def test_demo_training_copy_computes_what_the_engine_computes(tmp_path):
-    """tools/train_demo.py keeps differentiable copies of the layers; exported through the FP8 writer and loaded by
-    the engine, a random model of the demo's shapes gives the same next-token and MTP distributions as the copy
-    (with its FP8 fake quantization on), up to rounding: the engine rounds to bf16 where the copy keeps fp32, which
-    moves FP8 activation roundings and, rarely, a routing choice. A wrong name, transposition or convention
-    (rope, softmax scale, MTP concat order) would give differences of the order of the logits themselves."""
+    """tools/train_demo.py keeps differentiable copies of the layers; exported through the FP8 writer and
+    loaded by the engine, a random model of the demo's shapes gives the same next-token and MTP distributions
+    as the copy (with its FP8 fake quantization on), up to rounding: the engine rounds to bf16 where the copy
+    keeps fp32, which moves FP8 activation roundings and, rarely, a routing choice. A wrong name,
+    transposition or convention (rope, softmax scale, MTP concat order) would give differences of the order of
+    the logits themselves."""
     td = _train_demo()
     torch.manual_seed(0)
     cfg = m.Config(**{**td.DEMO, "n_layers": 2})
@@ -1731,10 +2167,11 @@ def test_demo_training_copy_computes_what_the_engine_computes(tmp_path):
                 layer.mlp.gate.e_score_correction_bias.normal_(0, 0.05)
     td.export(model, None, str(tmp_path))
     eng = m.load_model(str(tmp_path))
-    S = 300                                               # > index_topk: the indexer selects
+    S = 300  # > index_topk: the indexer selects
     toks = torch.randint(6, cfg.vocab_size, (S + 1,))
     x, nxt = toks[:-1], toks[1:]
-    cache, meta = m.KVCache(cfg, S + 1), m.Meta.build("prefill", [0], [S], torch.arange(S)[None])
+    cache = m.KVCache(cfg, S + 1)
+    meta = m.Meta.build("prefill", [0], [S], torch.arange(S)[None])
     h = eng(x, meta, cache)
     want = [eng.logits(h), eng.mtp[0].logits(eng.mtp_forward(nxt, h, meta, cache))]
     td.QAT["on"] = True
@@ -1743,26 +2180,39 @@ def test_demo_training_copy_computes_what_the_engine_computes(tmp_path):
             logits, mtp_logits, _ = model(x[None], nxt[None], True, 1)
     finally:
         td.QAT["on"] = False
-    for what, a, b in zip(("main", "mtp"), want, [logits[0], mtp_logits[0][0]]):
+    for what, a, b in zip(("main", "mtp"), want, [logits[0], mtp_logits[0][0]], strict=True):
         diff = (a.log_softmax(-1) - b.float().log_softmax(-1)).abs().mean().item()
         agree = (a.argmax(-1) == b.argmax(-1)).float().mean().item()
         spread = (a.log_softmax(-1) - a.log_softmax(-1)[torch.randperm(S)]).abs().mean().item()
-        print(f"{what}: mean |log p| difference {diff:.4f} (between positions: {spread:.3f}), top-1 agreement {agree:.3f}")
+        print(
+            f"{what}: mean |log p| difference {diff:.4f} (between positions: {spread:.3f}), "
+            f"top-1 agreement {agree:.3f}"
+        )
         assert diff < 0.1 * spread and agree >= 0.75
 
 
 def test_train_demo_smoke_runs_every_stage(tmp_path):
-    """tools/train_demo.py --smoke: corpus, tokenizer, a few training steps through the dense, sparse and FP8 phases,
-    export, and the engine's measurements; the checkpoint passes the loader's checks and its tokenizer the engine's."""
+    """tools/train_demo.py --smoke: corpus, tokenizer, a few training steps through the dense, sparse and FP8
+    phases, export, and the engine's measurements; the checkpoint passes the loader's checks and its tokenizer
+    the engine's."""
     import subprocess
+
     here = os.path.dirname(os.path.abspath(__file__))
-    r = subprocess.run([sys.executable, os.path.join(here, "tools", "train_demo.py"), "--out", str(tmp_path), "--smoke"],
-                       capture_output=True, text=True, timeout=600, env=dict(os.environ, OMP_NUM_THREADS="1"))
+    script = os.path.join(here, "tools", "train_demo.py")
+    r = subprocess.run(
+        [sys.executable, script, "--out", str(tmp_path), "--smoke"],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env=dict(os.environ, OMP_NUM_THREADS="1"),
+    )
     assert r.returncode == 0, r.stderr[-2000:]
-    assert "sparse True, fp8 True" in r.stdout                          # the last phase ran
+    assert "sparse True, fp8 True" in r.stdout  # the last phase ran
     cfg = m.open_checkpoint(str(tmp_path))
     m.load_tokenizer(str(tmp_path), cfg)
     with open(tmp_path / "eval.json") as f:
         ev = json.load(f)
-    assert len(ev["heldout_chunks"]) == len(ev["bf16_loss"]) == len(ev["fp8_engine_loss"]) == 2 and ev["prompts"]
+    assert (
+        len(ev["heldout_chunks"]) == len(ev["bf16_loss"]) == len(ev["fp8_engine_loss"]) == 2 and ev["prompts"]
+    )
     assert abs(sum(ev["fp8_engine_loss"]) / sum(ev["bf16_loss"]) - 1) < 0.02
