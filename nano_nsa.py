@@ -18,6 +18,7 @@ Dimension legend used in shape comments:
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import math
 import os
@@ -515,6 +516,7 @@ class Linear(nn.Module):
 
     def __init__(self, in_features, out_features, fp8=True, dtype=BF16, n=None, split=None):
         super().__init__()
+        self.split = split
         self.partial = split == "row"  # output unrounded: rounded after the all-reduce
         if split == "col":
             out_features //= tp_size()
@@ -845,9 +847,8 @@ class MLA(nn.Module):
         q_nope, q_pe = self.wq_b(qr).view(T, H, D + R).split([D, R], -1)  # [T, H, D], [T, H, R]
         q_pe = rope(q_pe, cos, sin, interleaved=True)
         kv, k_pe = self.wkv_a(x).split([C, R], -1)  # [T, C], [T, R]
-        cache.kv[meta.slots] = act_dequant(*act_quant(self.kv_norm(kv))).to(
-            BF16
-        )  # cached as FP8 ([R] simulates)
+        # cached as FP8 ([R] simulates)
+        cache.kv[meta.slots] = act_dequant(*act_quant(self.kv_norm(kv))).to(BF16)
         cache.pe[meta.slots] = rope(k_pe, cos, sin, interleaved=True)
         selected = self.indexer(x, qr, cos, sin, meta, cache)  # [T, K'] context positions, -1 = none
         if selected is None:  # prompt chunks within top-k: dense causal attention, per head
@@ -879,9 +880,8 @@ class MLA(nn.Module):
         keys/values."""
         D = self.cfg.qk_nope_head_dim
         kvf = torch.einsum("nc,hec->nhe", cache.kv[ctx].to(w.dtype), w)  # [N, H, D + V]
-        k_pe = (
-            cache.pe[ctx].to(w.dtype)[:, None, :].expand(-1, kvf.shape[1], -1)
-        )  # [N, H, R]: shared by heads
+        # [N, H, R]: shared by heads
+        k_pe = cache.pe[ctx].to(w.dtype)[:, None, :].expand(-1, kvf.shape[1], -1)
         k = torch.cat([kvf[..., :D], k_pe], -1)
         q = torch.cat([q_nope, q_pe], -1).to(w.dtype)
         return self.ops.dense_attention(q, k, kvf[..., D:], self.cfg.softmax_scale)  # [S, H, V]
@@ -947,9 +947,8 @@ class MoE(nn.Module):
         super().__init__()
         self.gate = Gate(cfg)
         E = cfg.n_routed_experts // tp_size()  # this rank's experts (expert parallel)
-        self.experts = (
-            nn.Module()
-        )  # stacked: w13 = w1 | w3 fused [E, 2I, dim]; w2 [E, dim, I] (see load_target)
+        # stacked: w13 = w1 | w3 fused [E, 2I, dim]; w2 [E, dim, I] (see load_target)
+        self.experts = nn.Module()
         self.experts.w13 = Linear(cfg.dim, 2 * cfg.moe_inter_dim, n=E)
         self.experts.w2 = Linear(cfg.moe_inter_dim, cfg.dim, n=E)
         self.shared_experts = MLP(cfg.dim, cfg.moe_inter_dim * cfg.n_shared_experts)
@@ -1029,9 +1028,8 @@ class Transformer(nn.Module):
         self.embed = Embedding(cfg.vocab_size, cfg.dim)
         self.layers = nn.ModuleList(Block(cfg, moe=i >= cfg.n_dense_layers) for i in range(cfg.n_layers))
         self.norm = RMSNorm(cfg.dim, cfg.eps)
-        self.head = Linear(
-            cfg.dim, cfg.vocab_size, fp8=False, dtype=torch.float32, split="col"
-        )  # fp32, as [R]
+        # fp32, as [R]
+        self.head = Linear(cfg.dim, cfg.vocab_size, fp8=False, dtype=torch.float32, split="col")
         self.mtp = nn.ModuleList(MTP(cfg) for _ in range(cfg.n_mtp_layers))
 
     def bind(self, ops):
@@ -1052,9 +1050,8 @@ class Transformer(nn.Module):
     def forward(self, tokens, meta: Meta, cache: KVCache):
         """tokens [T] -> hidden [T, dim] bf16 after the final norm (the lm_head input, also what MTP
         consumes)."""
-        meta.plan = meta.plan or self.ops.plan(
-            meta, self.cfg
-        )  # once per step: every layer and MTP pass reuse it
+        # once per step: every layer and MTP pass reuse it
+        meta.plan = meta.plan or self.ops.plan(meta, self.cfg)
         cos, sin = rope_cos_sin(self.cfg, meta.positions)
         h = self.embed(tokens)
         residual = None
@@ -1487,12 +1484,11 @@ class Request:
     temperature: float
     top_p: float
     gen: torch.Generator
-    prefill_target: int  # prefill positions [0, target): the prompt, or all but the last token if resumed
+    prefill_target: int  # prefill positions [0, target): the prompt
     num_cached: int = 0  # positions whose main-model KV is in the pool; decode phase: len(tokens) - 1
     pages: list = field(default_factory=list)
-    page_row: torch.Tensor = (
-        None  # `pages` as a tensor, rebuilt only when they change (long contexts: thousands)
-    )
+    swapped: tuple = None  # its KV in host memory while preempted (PagePool.swap_out)
+    page_row: torch.Tensor = None  # `pages` as a tensor, rebuilt only when they change
     draft: torch.Tensor = None  # [k] draft tokens for the next verify (on the device)
     q: torch.Tensor = None  # [k, V] their draft distributions (sampling only)
     return_logits: bool = False  # keep the main-model logits row of every emitted token in `logits`
@@ -1581,6 +1577,74 @@ def check_pool_bytes(kv_cache_bytes, page_bytes, device):
     require(kv_cache_bytes <= memory, too_big)
 
 
+MIN_POOL_TOKENS = 4096  # the smallest KV pool worth loading a model for
+
+
+def rank_weight_bytes(cfg: Config, ranks):
+    """Bytes of parameters one rank allocates at `ranks` tensor-parallel ranks (what loading needs), from the
+    layers' shapes on the meta device: the split layers (Linear split, vocabulary, routed experts) divide."""
+    with torch.device("meta"):
+        model = Transformer(cfg)
+    split_bytes = 0
+    whole_bytes = 0
+    for mod in model.modules():
+        split = isinstance(mod, Embedding) or getattr(mod, "split", None) is not None
+        for p in mod.parameters(recurse=False):
+            if split or p.dim() == 3:  # p.dim() == 3: stacked routed experts
+                split_bytes += p.numel() * p.element_size() * tp_size()
+            else:
+                whole_bytes += p.numel() * p.element_size()
+    return whole_bytes + split_bytes // ranks
+
+
+def check_fits(cfg: Config, device):
+    """Refuse, before allocating anything, a model whose share of the weights plus a minimal KV pool exceeds
+    this device's free memory (GPU) or the available RAM (CPU), saying what would fit."""
+    if device.type == "cuda":
+        free = torch.cuda.mem_get_info(device)[0]
+        where = f"{torch.cuda.get_device_name(device)} has {free / 1e9:.1f} GB free"
+    else:
+        free = available_ram()
+        where = f"this machine has {free / 1e9:.1f} GB of RAM available"
+    kv = MIN_POOL_TOKENS * KVCache.bytes_per_token(cfg)
+    need = rank_weight_bytes(cfg, tp_size()) + kv
+    if need <= free:
+        return
+    why = f"the model needs {need / 1e9:.1f} GB per rank (weights + a {MIN_POOL_TOKENS}-token KV pool)"
+    why += f", but {where}"
+    allowed = [n for n in (1, 2, 4, 8, 16, 32, 64) if n > tp_size() and tp_sizes_ok(cfg, n)]
+    for n in allowed:
+        per_rank = rank_weight_bytes(cfg, n) + kv
+        if per_rank <= free:
+            raise ValueError(
+                f"{why}; it fits with torchrun --nproc-per-node {n} ({per_rank / 1e9:.1f} GB per rank)"
+            )
+    if allowed:
+        per_rank = rank_weight_bytes(cfg, allowed[-1]) + kv
+        why += f"; even torchrun --nproc-per-node {allowed[-1]} needs {per_rank / 1e9:.1f} GB per rank"
+    raise ValueError(why)
+
+
+def tp_sizes_ok(cfg: Config, n):
+    try:
+        cfg.check_tp(n)
+    except ValueError:
+        return False
+    return True
+
+
+def available_ram():
+    """MemAvailable from /proc/meminfo (what can be allocated without swapping), else the physical memory."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
 def is_token_list(p):
     return isinstance(p, (list, tuple)) and all(is_number(t, integer=True) for t in p)
 
@@ -1608,10 +1672,11 @@ class PagePool:
     """Hands out the KV cache's slots by pages of `page_size`. Page 0 is never given out: its slot 0 is the
     dummy slot that padding rows write to."""
 
-    def __init__(self, num_pages, page_size, device):
+    def __init__(self, cache: KVCache, page_size):
+        self.cache = cache
         self.page_size = page_size
-        self.device = device
-        self.free = list(range(1, num_pages))
+        self.device = cache.latent.device
+        self.free = list(range(1, cache.latent.shape[1] // page_size))
 
     @property
     def free_slots(self):
@@ -1629,6 +1694,31 @@ class PagePool:
         self.free += req.pages
         req.pages = []
         req.page_row = None
+
+    def swap_out(self, req):
+        """Move a preempted request's KV (every layer, every slot of its pages) to host memory and give its
+        pages back. Swapping it in later restores exactly the bits it had: recomputing them through the
+        prefill path would not (its numerics differ from the decode path that first wrote them)."""
+        slots = self.table([req])[0]
+        req.swapped = (
+            self.cache.latent[:, slots].cpu(),
+            self.cache.ik[:, slots].cpu(),
+            self.cache.iks[:, slots].cpu(),
+        )
+        self.release(req)
+
+    def swap_in(self, req):
+        """Pages for a swapped-out request with its KV copied back; False (nothing changed) if the pool is
+        short."""
+        latent, ik, iks = req.swapped
+        if not self.reserve(req, latent.shape[1]):
+            return False
+        slots = self.table([req])[0]
+        self.cache.latent[:, slots] = latent.to(self.device)
+        self.cache.ik[:, slots] = ik.to(self.device)
+        self.cache.iks[:, slots] = iks.to(self.device)
+        req.swapped = None
+        return True
 
     def table(self, reqs):
         """[B, N] slot of every position of each request (the page size 1 view that the kernels read)."""
@@ -1654,9 +1744,9 @@ class Scheduler:
     """Which requests run in the next step. Requests wait in arrival order and are admitted while the batch
     has room and the pool has pages for their prompt and first drafts. A step is a prefill step while any
     running request has prompt left (chunks of at most max_prefill_tokens rows in all), else a decode round
-    over every running request. A round that cannot get its pages preempts the newest request: its pages go
-    back, and it waits at the front to be prefilled again over everything it had (its last token is known,
-    so nothing is resampled)."""
+    over every running request. A round that cannot get its pages preempts the newest request: its KV moves
+    to host memory, its pages go back, and it waits at the front of the queue to be swapped in and go on
+    exactly where it stopped (same KV, same drafts)."""
 
     def __init__(self, pool: PagePool, max_batch, max_prefill_tokens, num_draft):
         self.pool = pool
@@ -1685,7 +1775,11 @@ class Scheduler:
     def admit(self):
         while self.waiting and len(self.running) < self.max_batch:
             req = self.waiting[0]
-            if not self.pool.reserve(req, req.prefill_target + self.num_draft + 1):  # prompt, first drafts
+            if req.swapped is not None:
+                admitted = self.pool.swap_in(req)
+            else:
+                admitted = self.pool.reserve(req, req.prefill_target + self.num_draft + 1)  # prompt, drafts
+            if not admitted:
                 return
             self.running.append(self.waiting.pop(0))
 
@@ -1711,12 +1805,8 @@ class Scheduler:
 
     def preempt(self, req):
         self.running.remove(req)
-        self.pool.release(req)
+        self.pool.swap_out(req)
         self.preemptions += 1
-        req.num_cached = 0
-        req.draft = None
-        req.q = None
-        req.prefill_target = len(req.tokens) - 1  # its last token is known: no resampling
         self.waiting.insert(0, req)
 
     def retire(self):
@@ -1767,7 +1857,7 @@ class Runner:
         logits = self.model.logits(h[last])
         for b, (r, _, n) in enumerate(chunks):
             r.num_cached += n
-            if r.num_cached == len(r.tokens):  # a fresh prompt is done (a resumed one knows its last token)
+            if r.num_cached == len(r.tokens):  # the prompt is done: sample its first token
                 r.emit([sample(r, logits[b])], logits[b : b + 1], self.cfg.eos_token_id)
         if self.num_draft == 0:
             return
@@ -1897,9 +1987,8 @@ class CudaGraphs:
         self.buckets = {kind: graph_buckets(max_batch, self.rows[kind], tp_size()) for kind in kinds}
         max_bs = max(b[-1] for b in self.buckets.values())
         rows = max_bs * (num_draft + 1)
-        context = (
-            max_context + round_lookahead(num_draft) + 1
-        )  # the furthest position a round writes, and one
+        # the furthest position a round writes, and one
+        context = max_context + round_lookahead(num_draft) + 1
         self.max_width = -(-context // page_size) * page_size
         self.tokens = torch.zeros(rows, dtype=torch.long, device=dev)
         self.positions = torch.zeros(rows, dtype=torch.long, device=dev)
@@ -1963,8 +2052,13 @@ class CudaGraphs:
         forward()  # warm-up: compiles and autotunes kernels
         torch.cuda.synchronize()
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, self.pool):
-            out = forward()
+        gc.collect()  # an old engine's graphs, freed by the collector during a capture, would break it
+        gc.disable()
+        try:
+            with torch.cuda.graph(graph, self.pool):
+                out = forward()
+        finally:
+            gc.enable()
         self.pool = self.pool or graph.pool()  # all graphs share one memory pool
         self.graphs[kind, bs, width, mtp_layer] = (graph, meta, out)
 
@@ -2025,9 +2119,11 @@ class LLM:
         check_engine_args(locals())
         self.device = check_device(device)
         model_dir = model_dir or default_model_dir()
-        self.cfg = (
-            model.cfg if model else open_checkpoint(model_dir)
-        )  # config + shard headers: no weights yet
+        if model is None:
+            self.cfg = open_checkpoint(model_dir)  # config + shard headers: no weights yet
+            check_fits(self.cfg, self.device)  # before any allocation
+        else:
+            self.cfg = model.cfg
         self.tokenizer = load_tokenizer(model_dir, self.cfg)
         require(mtp == 0 or self.cfg.n_mtp_layers > 0, f"mtp={mtp}: needs a checkpoint with an MTP layer")
         page_bytes = KVCache.bytes_per_token(self.cfg) * page_size
@@ -2037,15 +2133,14 @@ class LLM:
         self.max_context = min(max_context or self.cfg.max_seq_len, self.cfg.max_seq_len)
         num_pages = self.pool_pages(kv_cache_bytes, page_bytes)
         self.cache = KVCache(self.cfg, num_pages * page_size, self.device)
-        self.pool = PagePool(num_pages, page_size, self.device)
+        self.pool = PagePool(self.cache, page_size)
         self.scheduler = Scheduler(self.pool, max_batch, max_prefill_tokens, mtp)
         self.graphs = None  # the torch references sync the host: no graphs for them
         if cuda_graphs and self.device.type == "cuda" and self.model.ops is not TORCH_OPS:
             self.graphs = CudaGraphs(self.model, self.cache, mtp, max_batch, self.max_context, page_size)
         self.runner = Runner(self.model, self.cache, self.pool, mtp, self.graphs)
-        self.announce = (
-            self.device.type == "cuda" and tp_rank() == 0
-        )  # say which kernels run, at the first generate
+        # say which kernels run, at the first generate
+        self.announce = self.device.type == "cuda" and tp_rank() == 0
         self.stats = {}
 
     def pool_pages(self, kv_cache_bytes, page_bytes):

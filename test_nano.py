@@ -25,6 +25,7 @@ from tools.checkpoint import (
     random_model,
     random_weight,
     save_random_checkpoint,
+    save_sparse_checkpoint,
     write_byte_tokenizer,
 )
 
@@ -714,6 +715,22 @@ def test_full_kv_pool_waits_or_preempts(tiny_dir):
         small.generate([list(range(6, 200))], max_new_tokens=16)
 
 
+def test_preempted_requests_continue_with_the_kv_they_had(tiny_dir):
+    """Preemption swaps a request's KV to host memory and back: with a pool small enough to preempt, sampled
+    tokens and every emitted token's logits equal those of a pool where nothing is preempted, bit for bit."""
+    prompts = mixed_prompts(6, seed=21)
+    per_token = m.KVCache.bytes_per_token(m.Config.tiny())
+    kw = dict(max_new_tokens=16, temperature=0.8, top_p=0.95, seed=3, return_logits=True)
+    large = make_llm(tiny_dir, 2).generate(prompts, **kw)
+    small = make_llm(tiny_dir, 2, kv_cache_bytes=per_token * 168, page_size=8)
+    out = small.generate(prompts, **kw)
+    assert small.stats["preemptions"] > 0
+    for a, b in zip(out, large, strict=True):
+        assert a.token_ids == b.token_ids
+        assert torch.equal(a.logits, b.logits)
+    assert len(small.pool.free) == 168 // 8 - 1, "pages leaked"
+
+
 def test_sampling_runs_and_is_seeded(tiny_dir):
     llm = make_llm(tiny_dir, 2)
     a = llm.generate(mixed_prompts(3), max_new_tokens=10, temperature=0.9, top_p=0.9, seed=5)
@@ -943,6 +960,28 @@ def test_verify_and_draft_extend_use_the_decode_path(tiny_dir, monkeypatch):
 # GPU (skipped without CUDA; run on the GPU machine)
 # ------------------------------------------------------------------------------------------------------------
 gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=gpu)])
+def test_gpu_or_cpu_model_that_does_not_fit_says_so_before_allocating(tmp_path, device):
+    """The 671B checkpoint (exact headers, sparse data) on a machine too small for it: one line that says what
+    it needs, what there is and what would fit, exit 1, no traceback, in seconds (nothing is allocated)."""
+    import subprocess
+    import time
+
+    save_sparse_checkpoint(str(tmp_path), m.Config.full())
+    assert m.open_checkpoint(str(tmp_path)) == m.Config.full()  # the headers are the official ones
+    script = os.path.join(os.path.dirname(os.path.abspath(__file__)), "nano_nsa.py")
+    t0 = time.time()
+    cli = [sys.executable, script, "--model", str(tmp_path), "--prompt", "hi", "--device", device]
+    r = subprocess.run(cli, capture_output=True, text=True, timeout=120)
+    seconds = time.time() - t0
+    print(f"{device}: {r.stderr.strip()} ({seconds:.1f} s)")
+    assert r.returncode == 1 and r.stdout == ""
+    assert len(r.stderr.strip().splitlines()) == 1 and "Traceback" not in r.stderr
+    assert re.match(r"error: the model needs 69\d\.\d GB per rank .* but .* GB", r.stderr)
+    assert "torchrun --nproc-per-node" in r.stderr and "GB per rank" in r.stderr.split(";")[-1]
+    assert seconds < 60
 
 
 def _first_split(a, b, margins):

@@ -175,6 +175,44 @@ def random_model(cfg: m.Config, device, seed=0, kernels="auto") -> m.Transformer
     return m.share_mtp_copies(model).bind(m.select_ops(kernels, device))
 
 
+SAFETENSORS_DTYPE = {
+    torch.float8_e4m3fn: ("F8_E4M3", 1),
+    torch.bfloat16: ("BF16", 2),
+    torch.float32: ("F32", 4),
+}
+
+
+def save_sparse_checkpoint(path, config: m.Config, shard_bytes: int = 5 << 30):
+    """The official layout with exact headers and no data: each shard is a sparse file of its full size (its
+    holes read as zeros). For what happens before weights are read (checks, memory planning) at the real size,
+    on any disk: the 671B checkpoint takes seconds and no space."""
+    os.makedirs(path, exist_ok=True)
+    write_json(os.path.join(path, "config.json"), hf_config(config))
+    shards = [{}]
+    size = 0
+    for name, (shape, kind) in m.checkpoint_tensors(config).items():
+        dtype = {"fp8": m.FP8, "scale": torch.float32}.get(kind) or stored_dtype(name, kind)
+        code, itemsize = SAFETENSORS_DTYPE[dtype]
+        nbytes = itemsize * shape[0] * (shape[1] if len(shape) > 1 else 1)
+        if size + nbytes > shard_bytes and shards[-1]:
+            shards.append({})
+            size = 0
+        shards[-1][name] = {"dtype": code, "shape": shape, "data_offsets": [size, size + nbytes]}
+        size += nbytes
+    weight_map = {}
+    for i, header in enumerate(shards):
+        fname = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+        weight_map.update(dict.fromkeys(header, fname))
+        end = max(t["data_offsets"][1] for t in header.values())
+        text = json.dumps({"__metadata__": {"format": "pt"}, **header}).encode()
+        text += b" " * (-len(text) % 8)  # the data starts 8-byte aligned
+        with open(os.path.join(path, fname), "wb") as f:
+            f.write(len(text).to_bytes(8, "little") + text)
+            f.truncate(8 + len(text) + end)  # a hole: no data written
+    index = {"metadata": {"total_size": 0}, "weight_map": dict(sorted(weight_map.items()))}
+    write_json(os.path.join(path, "model.safetensors.index.json"), index)
+
+
 def write_json(file, obj):
     with open(file, "w") as f:
         json.dump(obj, f, indent=2)
