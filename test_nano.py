@@ -1220,13 +1220,14 @@ BATCH_DEPENDENT = {
     "fp8_linear_wq_a": "split-K partial sums added with atomics, tile height chosen by M",
     "fp8_linear_wkv_a": "split-K partial sums added with atomics, tile height chosen by M",
     "fp8_linear_wo": "split-K partial sums added with atomics, tile height chosen by M",
-    "moe": "expert outputs combined with index_add_ (atomics), block height chosen by the row count",
+    "moe": "expert outputs combined with index_add_: atomics, so some runs differ and some do not",
     "sparse_mla": "flashinfer's plan splits the KV by the number of rows",
 }
 
 
 def batch_op_param(op):
-    xfail = pytest.mark.xfail(op in BATCH_DEPENDENT, reason=BATCH_DEPENDENT.get(op, ""), strict=True)
+    flaky = op == "moe"  # run-to-run nondeterministic: equal on some runs
+    xfail = pytest.mark.xfail(op in BATCH_DEPENDENT, reason=BATCH_DEPENDENT.get(op, ""), strict=not flaky)
     return pytest.param(op, marks=xfail)
 
 
