@@ -1562,12 +1562,12 @@ def check_device(device):
 
 def check_pool_bytes(kv_cache_bytes, page_bytes, device):
     """A KV pool of at least two pages (page 0 is the dummy page) and at most the device's memory."""
+    if kv_cache_bytes is None:
+        return
     if device.type == "cuda":
         memory = torch.cuda.mem_get_info(device)[1]
     else:
         memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    if kv_cache_bytes is None:
-        return
     low = 2 * page_bytes
     require(
         kv_cache_bytes >= low,
@@ -1580,9 +1580,9 @@ def check_pool_bytes(kv_cache_bytes, page_bytes, device):
 MIN_POOL_TOKENS = 4096  # the smallest KV pool worth loading a model for
 
 
-def rank_weight_bytes(cfg: Config, ranks):
-    """Bytes of parameters one rank allocates at `ranks` tensor-parallel ranks (what loading needs), from the
-    layers' shapes on the meta device: the split layers (Linear split, vocabulary, routed experts) divide."""
+def weight_bytes(cfg: Config):
+    """(bytes every rank holds whole, bytes split over the ranks) of the parameters loading allocates, from
+    the layers' shapes on the meta device: split are Linear split, the vocabulary and the routed experts."""
     with torch.device("meta"):
         model = Transformer(cfg)
     split_bytes = 0
@@ -1594,7 +1594,7 @@ def rank_weight_bytes(cfg: Config, ranks):
                 split_bytes += p.numel() * p.element_size() * tp_size()
             else:
                 whole_bytes += p.numel() * p.element_size()
-    return whole_bytes + split_bytes // ranks
+    return whole_bytes, split_bytes
 
 
 def check_fits(cfg: Config, device):
@@ -1606,21 +1606,22 @@ def check_fits(cfg: Config, device):
     else:
         free = available_ram()
         where = f"this machine has {free / 1e9:.1f} GB of RAM available"
+    whole, split = weight_bytes(cfg)
     kv = MIN_POOL_TOKENS * KVCache.bytes_per_token(cfg)
-    need = rank_weight_bytes(cfg, tp_size()) + kv
+    need = whole + split // tp_size() + kv
     if need <= free:
         return
     why = f"the model needs {need / 1e9:.1f} GB per rank (weights + a {MIN_POOL_TOKENS}-token KV pool)"
     why += f", but {where}"
     allowed = [n for n in (1, 2, 4, 8, 16, 32, 64) if n > tp_size() and tp_sizes_ok(cfg, n)]
     for n in allowed:
-        per_rank = rank_weight_bytes(cfg, n) + kv
+        per_rank = whole + split // n + kv
         if per_rank <= free:
             raise ValueError(
                 f"{why}; it fits with torchrun --nproc-per-node {n} ({per_rank / 1e9:.1f} GB per rank)"
             )
     if allowed:
-        per_rank = rank_weight_bytes(cfg, allowed[-1]) + kv
+        per_rank = whole + split // allowed[-1] + kv
         why += f"; even torchrun --nproc-per-node {allowed[-1]} needs {per_rank / 1e9:.1f} GB per rank"
     raise ValueError(why)
 
@@ -2052,8 +2053,7 @@ class CudaGraphs:
         forward()  # warm-up: compiles and autotunes kernels
         torch.cuda.synchronize()
         graph = torch.cuda.CUDAGraph()
-        gc.collect()  # an old engine's graphs, freed by the collector during a capture, would break it
-        gc.disable()
+        gc.disable()  # an old engine's graphs, freed by the collector during a capture, would break it
         try:
             with torch.cuda.graph(graph, self.pool):
                 out = forward()
@@ -2135,13 +2135,18 @@ class LLM:
         self.cache = KVCache(self.cfg, num_pages * page_size, self.device)
         self.pool = PagePool(self.cache, page_size)
         self.scheduler = Scheduler(self.pool, max_batch, max_prefill_tokens, mtp)
-        self.graphs = None  # the torch references sync the host: no graphs for them
+        graphs = None  # the torch references sync the host: no graphs for them
         if cuda_graphs and self.device.type == "cuda" and self.model.ops is not TORCH_OPS:
-            self.graphs = CudaGraphs(self.model, self.cache, mtp, max_batch, self.max_context, page_size)
-        self.runner = Runner(self.model, self.cache, self.pool, mtp, self.graphs)
+            graphs = CudaGraphs(self.model, self.cache, mtp, max_batch, self.max_context, page_size)
+        self.runner = Runner(self.model, self.cache, self.pool, mtp, graphs)
         # say which kernels run, at the first generate
         self.announce = self.device.type == "cuda" and tp_rank() == 0
         self.stats = {}
+
+    @property
+    def graphs(self):
+        """The CUDA graphs the runner replays (None: eager rounds)."""
+        return self.runner.graphs
 
     def pool_pages(self, kv_cache_bytes, page_bytes):
         """Pages of the KV pool: kv_cache_bytes, or CPU 256 MiB, GPU 80% of what is free; the smallest over

@@ -175,13 +175,6 @@ def random_model(cfg: m.Config, device, seed=0, kernels="auto") -> m.Transformer
     return m.share_mtp_copies(model).bind(m.select_ops(kernels, device))
 
 
-SAFETENSORS_DTYPE = {
-    torch.float8_e4m3fn: ("F8_E4M3", 1),
-    torch.bfloat16: ("BF16", 2),
-    torch.float32: ("F32", 4),
-}
-
-
 def save_sparse_checkpoint(path, config: m.Config, shard_bytes: int = 5 << 30):
     """The official layout with exact headers and no data: each shard is a sparse file of its full size (its
     holes read as zeros). For what happens before weights are read (checks, memory planning) at the real size,
@@ -192,8 +185,8 @@ def save_sparse_checkpoint(path, config: m.Config, shard_bytes: int = 5 << 30):
     size = 0
     for name, (shape, kind) in m.checkpoint_tensors(config).items():
         dtype = {"fp8": m.FP8, "scale": torch.float32}.get(kind) or stored_dtype(name, kind)
-        code, itemsize = SAFETENSORS_DTYPE[dtype]
-        nbytes = itemsize * shape[0] * (shape[1] if len(shape) > 1 else 1)
+        code = {t: name for name, t in m.SAFETENSORS_DTYPES.items()}[dtype]
+        nbytes = dtype.itemsize * shape[0] * (shape[1] if len(shape) > 1 else 1)
         if size + nbytes > shard_bytes and shards[-1]:
             shards.append({})
             size = 0
