@@ -201,14 +201,12 @@ def profile_replay(fn, n_layers, top=12):
 
 
 def metadata_point(llm, k, bs, ctx):
-    """Host ms and kernels of a step's metadata (Meta.build + ops.plan), its shift for a draft step, and
+    """Host ms and kernels of a step's metadata (Meta.build), its shift for a draft step, and
     a round's cost with it built once per step vs per layer and per draft step."""
     reqs = decode_batch(llm, bs, ctx, 2)
 
     def build(j=0):
-        meta = verify_meta(llm, reqs, [r.num_cached + j for r in reqs], k)
-        meta.plan = llm.model.ops.plan(meta, llm.cfg)
-        return meta
+        return verify_meta(llm, reqs, [r.num_cached + j for r in reqs], k)
 
     build()
     t_build = host_time(lambda: build(int(time.perf_counter_ns() % 7) + 1), iters=10)  # new lengths: no reuse
@@ -228,7 +226,7 @@ def metadata_cost(llm, k, big_bs, ctx):
     res = {f"bs{bs}": metadata_point(llm, k, bs, ctx) for bs in (1, big_bs)}
     table(
         f"Metadata per decode round (mtp={k}, {ctx} context): once per step vs per layer and per draft step",
-        "bs | build+plan ms | shift ms | kernels | once/round ms | "
+        "bs | build ms | shift ms | kernels | once/round ms | "
         f"per layer ms ({llm.cfg.n_layers}+1 layers) | per layer ms (61+1 layers)",
         [(b, *v.values()) for b, v in res.items()],
     )
@@ -259,7 +257,7 @@ def measure_point(llm, k, bs, ctx, bw):
     read = layers_b + nbytes(model.head)
     if k:  # draft-extend and k-1 draft steps: the MTP layer and the head
         read += mtp_bytes(llm, reqs, tokens, h, meta, k, ctx)
-    llm.runner.forward("verify", tokens, meta)  # plan + static buffers for this step, then replay alone
+    llm.runner.forward("verify", tokens, meta)  # static buffers for this step, then replay alone
     bucket = next(b for b in llm.graphs.buckets["verify"] if b >= bs)
     graph, _, _ = llm.graphs.graphs[("verify", bucket, llm.graphs.width(ctx + k + 1), 0)]
     t_layers = cuda_time(graph.replay)

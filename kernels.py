@@ -4,13 +4,17 @@ Each function here has a readable torch reference with the same signature in nan
 compare them on fresh random inputs at the real shapes (test_nano.py, marked `gpu`). `GPU_OPS` at the end is
 the set `nano_nsa.select_ops` binds on a GPU that `unsupported()` accepts.
 
-  plan            the attention schedule of a step's rows (flashinfer plan), once per step, for all layers
   index_topk      lightning indexer: Triton FP8 scores over the paged key cache + causal mask + top-k
-  sparse_mla      absorbed sparse MLA rows: flashinfer FA3 (Hopper) / trtllm-gen (Blackwell, unverified here)
+  sparse_mla      absorbed sparse MLA rows: Triton, fixed chunks of each row's selection (Hopper);
+                  flashinfer trtllm-gen (Blackwell, unverified here)
   dense_attention causal per-head attention of short prompt chunks (torch SDPA)
-  fp8_linear      Triton act-quant (1x128, pow2 scales) + Triton block-scaled FP8 GEMM (split-K at decode)
-  moe             routed experts: GPU-side sort by expert, two grouped Triton FP8 GEMMs, weighted sum; no sync
+  fp8_linear      Triton act-quant (1x128, pow2 scales) + block-scaled FP8 GEMM (split-K by weight shape)
+  moe             routed experts: GPU-side sort by expert, two grouped FP8 GEMMs, ordered combine; no sync
   dense_linear    bf16 weights with fp32 accumulation (lm_head, weights_proj, eh_proj)
+
+Batch invariance: a row's result never depends on the other rows of its batch (docs/batch_invariance.md):
+tile shapes and split-K come from the weight's shape, attention splits from the row's own selection, and every
+reduction runs in a fixed order (no float atomics).
 
 Triton and flashinfer are imported here only: nano_nsa imports this module on a CUDA device alone.
 """
@@ -36,8 +40,10 @@ def unsupported(device: torch.device):
     major, _ = torch.cuda.get_device_capability(device)
     if major not in (9, 10):
         return f"compute capability {major}.x: the kernels are for Hopper (9.0) and Blackwell (10.x)"
+    if major == 9:
+        return None
     try:
-        import flashinfer  # noqa: F401
+        import flashinfer  # noqa: F401  (Blackwell's sparse MLA)
     except ImportError:
         return "flashinfer is not installed (pip install flashinfer-python; see README)"
     return None
@@ -132,7 +138,9 @@ def index_topk(q8, head_weights, cache, meta, topk):
         num_warps=4,
     )
     width = min(topk, N)
-    idx = keys.topk(width, dim=-1, sorted=False).indices
+    # sorted: the keys are distinct, so the order is unique (unsorted, it may follow torch's algorithm, which
+    # depends on the number of rows), and sparse_mla sums a row's slots in that order
+    idx = keys.topk(width, dim=-1, sorted=True).indices
     # a row whose whole context fits in topk selects all of it (its masked keys may sit anywhere in the top-k)
     n = torch.arange(width, device=q8.device)
     everything = torch.where(n < meta.ctx_lens[:, None], n, -1)
@@ -140,228 +148,174 @@ def index_topk(q8, head_weights, cache, meta, topk):
 
 
 # ------------------------------------------------------------------------------------------------------------
-# Sparse MLA rows: one CSR row per query token over its selected KV-pool slots (page size 1)
+# Sparse MLA rows: each query row over its own selected KV-pool slots, split in fixed chunks of its selection
 # ------------------------------------------------------------------------------------------------------------
-# (device, rows of a CUDA graph or None, model shape): a flashinfer wrapper, its last plan, an event;
-# (device): the flashinfer workspace the wrappers of that device share
-_state = {}
+MLA_CHUNK = 512  # selected slots per program: a row's split follows its own selection, never the batch
+MLA_BLOCK_H = 16  # heads per program
+MLA_BLOCK_N = 32  # slots per inner step
+MLA_PARTIAL_BYTES = 128 << 20  # bound on the fp32 partial outputs of one launch (long prefills run in parts)
 
 
-def _ranks():
-    """Tensor parallel: each rank attends with its own heads only (n_heads / ranks of them)."""
-    return torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
-
-
-def _graph_buffers(rows, topk, dev):
-    """A CUDA graph's fixed metadata buffers, sized for `rows` rows of at most `topk` slots: the CSR
-    `kv_indices` (one spare entry at the end: the sink), each selected slot's destination in it, the row
-    lengths. Its graphs captured their addresses, so every plan refreshes them in place."""
-    return dict(
-        kv_indices=torch.zeros(rows * topk + 1, dtype=torch.int32, device=dev),
-        dest=torch.zeros(rows * topk, dtype=torch.long, device=dev),
-        kv_len=torch.zeros(rows, dtype=torch.int32, device=dev),
-    )
-
-
-def _wrapper_graph_args(st, rows, dev):
-    """The FA3 wrapper's keyword arguments for flashinfer's use_cuda_graph mode (none for eager steps)."""
-    if rows is None:
-        return {}
-    return dict(
-        use_cuda_graph=True,
-        qo_indptr=torch.arange(rows + 1, dtype=torch.int32, device=dev),
-        kv_indptr=torch.zeros(rows + 1, dtype=torch.int32, device=dev),
-        kv_indices=st["fixed"]["kv_indices"],
-        kv_len_arr=st["fixed"]["kv_len"],
-    )
-
-
-def _planner(dev, rows, cfg):
-    """The wrapper plans of `rows` rows run through (rows=None: eager steps, any shape). A CUDA graph's
-    wrapper owns fixed metadata buffers (flashinfer's use_cuda_graph mode) that its graphs captured,
-    replanned in place."""
-    topk = cfg.index_topk
-    key = (dev, rows, cfg.n_heads, cfg.kv_lora_rank, cfg.qk_rope_head_dim, cfg.softmax_scale, topk)
-    if key in _state:
-        return _state[key]
-    from flashinfer.mla import BatchMLAPagedAttentionWrapper
-
-    if dev not in _state:
-        _state[dev] = torch.zeros(WORKSPACE_BYTES, dtype=torch.uint8, device=dev)  # (trtllm-gen: zeroed)
-    st = dict(workspace=_state[dev], last=None, lens=None, event=None, wrapper=None, key=key)
-    _state[key] = st
-    if rows is not None:
-        st["fixed"] = _graph_buffers(rows, topk, dev)
-    if torch.cuda.get_device_capability(dev)[0] == 9:  # Hopper: FA3; Blackwell: no plan
-        graph = _wrapper_graph_args(st, rows, dev)
-        st["wrapper"] = BatchMLAPagedAttentionWrapper(st["workspace"], backend="fa3", **graph)
-    return st
-
-
-def plan(meta, cfg):
-    """The schedule of a step's sparse rows, made on the host once per step and shared by every layer: row t
-    reads kv_len[t] = min(ctx[t], top-k) slots. flashinfer bakes these lengths into its plan, not the slots,
-    so each layer writes its own selection into the planned `kv_indices` buffer (`dest` below) and runs. A
-    step whose lengths equal the last plan's on the same wrapper reuses it (draft-extend after verify; draft
-    steps once every context exceeds top-k). Dense prompt chunks need no plan."""
-    if meta.dense(cfg.index_topk):
-        return None
-    dev = meta.positions.device
-    K = cfg.index_topk
-    T = len(meta.ctx_host)
-    st = _planner(dev, T if meta.graphed else None, cfg)
-    width = min(K, meta.max_ctx)
-    kv_len = meta.ctx_host.clamp(max=K).to(torch.int32)
-    if st["last"] is not None and st["last"]["width"] == width and torch.equal(st["lens"], kv_len):
-        return st["last"]
-    # flashinfer stages a plan through pinned memory: the last one must have landed
-    if st["event"] is not None:
-        st["event"].synchronize()
-    kv_indptr = F.pad(kv_len.cumsum(0), (1, 0)).to(torch.int32)
-    kv_indices, dest, kv_len_dev = _kv_destinations(st, kv_len, kv_indptr, width, dev)
-    p = dict(
-        kv_indices=kv_indices,
-        dest=dest.flatten(),
-        kv_len=kv_len_dev,
-        width=width,
-        state=st["key"],
-        max_kv_len=int(kv_len.max()),
-        scale=cfg.softmax_scale,
-        qk_nope_head_dim=cfg.qk_nope_head_dim,
-    )
-    if st["wrapper"] is not None:
-        _plan_wrapper(st, T, kv_indptr, kv_indices, kv_len, cfg)
-    st["last"] = p
-    st["lens"] = kv_len
-    return p
-
-
-def _kv_destinations(st, kv_len, kv_indptr, width, dev):
-    """The destination map of a step's selections [T, width] in the CSR `kv_indices` buffer: row t's column
-    j < kv_len[t] goes to kv_indptr[t] + j, its unused columns to the buffer's last entry (a sink). Returns
-    (kv_indices, dest, kv_len on the device); under a CUDA graph, its fixed buffers, refreshed in place."""
-    total = int(kv_indptr[-1])
-    fixed = st.get("fixed")
-    if fixed:
-        kv_indices = fixed["kv_indices"]
+@triton.jit
+def _sparse_mla_kernel(
+    q_ptr,
+    qpe_ptr,
+    kv_ptr,
+    slots_ptr,
+    ctx_ptr,
+    out_ptr,
+    part_ptr,
+    ml_ptr,
+    T,
+    H,
+    W,
+    scale,
+    C: tl.constexpr,
+    R: tl.constexpr,
+    SPLITS: tl.constexpr,
+    CHUNK: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
+    """One (row t, block of heads, chunk s of the row's selection): online softmax over the chunk's slots,
+    BLOCK_N at a time, in order. The row's valid slots come first (min(ctx[t], W) of them); steps past them
+    are skipped, and would change nothing (an empty step adds exact zeros), so a row's result does not depend
+    on the batch's width W. SPLITS == 1: the normalized output; else the unnormalized partial and its (max,
+    sum) for _mla_combine_kernel."""
+    t, hb, s = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    h = hb * BLOCK_H + tl.arange(0, BLOCK_H)
+    hmask = h < H
+    c, r = tl.arange(0, C), tl.arange(0, R)
+    qrow = t.to(tl.int64) * H + h
+    q = tl.load(q_ptr + qrow[:, None] * C + c[None, :], mask=hmask[:, None], other=0.0)  # [BH, C] bf16
+    qpe = tl.load(qpe_ptr + qrow[:, None] * R + r[None, :], mask=hmask[:, None], other=0.0)  # [BH, R]
+    m = tl.full([BLOCK_H], float("-inf"), tl.float32)
+    lsum = tl.zeros([BLOCK_H], tl.float32)
+    acc = tl.zeros([BLOCK_H, C], tl.float32)
+    n_valid = tl.minimum(tl.load(ctx_ptr + t), W)
+    for j0 in range(s * CHUNK, tl.minimum(s * CHUNK + CHUNK, n_valid), BLOCK_N):
+        j = j0 + tl.arange(0, BLOCK_N)
+        slot = tl.load(slots_ptr + t.to(tl.int64) * W + j, mask=j < n_valid, other=-1).to(tl.int64)
+        valid = slot >= 0
+        row = tl.maximum(slot, 0) * (C + R)
+        kv = tl.load(kv_ptr + row[:, None] + c[None, :], mask=valid[:, None], other=0.0)  # [BN, C]
+        pe = tl.load(kv_ptr + row[:, None] + C + r[None, :], mask=valid[:, None], other=0.0)  # [BN, R]
+        score = (tl.dot(q, tl.trans(kv)) + tl.dot(qpe, tl.trans(pe))) * scale  # [BH, BN] fp32
+        score = tl.where(valid[None, :], score, float("-inf"))
+        m_new = tl.maximum(m, tl.max(score, 1))
+        m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)  # no valid slot yet: keep zeros, not NaN
+        alpha = tl.exp(m - m_ref)
+        p = tl.exp(score - m_ref[:, None])
+        lsum = lsum * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(kv.dtype), kv)
+        m = m_new
+    if SPLITS == 1:
+        out = (acc / lsum[:, None]).to(out_ptr.dtype.element_ty)
+        tl.store(out_ptr + qrow[:, None] * C + c[None, :], out, mask=hmask[:, None])
     else:
-        kv_indices = torch.zeros(total + 1, dtype=torch.int32, device=dev)
-    j = torch.arange(width, device=dev)
-    kv_len_dev = to_device(kv_len, dev)
-    starts = to_device(kv_indptr[:-1], dev)
-    sink = len(kv_indices) - 1  # the unused columns of a row land here
-    dest = torch.where(j < kv_len_dev[:, None], starts[:, None] + j, sink)
-    if fixed:  # a graph's buffers: refreshed in place
-        fixed["dest"].copy_(dest.flatten())
-        fixed["kv_len"].copy_(kv_len_dev)
-        dest = fixed["dest"]
-        kv_len_dev = fixed["kv_len"]
-    return kv_indices, dest, kv_len_dev
+        part = (s * T + t).to(tl.int64) * H + h  # [SPLITS, T, H] rows of C
+        tl.store(part_ptr + part[:, None] * C + c[None, :], acc, mask=hmask[:, None])
+        tl.store(ml_ptr + part * 2, m, mask=hmask)
+        tl.store(ml_ptr + part * 2 + 1, lsum, mask=hmask)
 
 
-def _plan_wrapper(st, T, kv_indptr, kv_indices, kv_len, cfg):
-    """Plans the FA3 wrapper for T rows of new lengths (the fast replan where it was planned before, else
-    flashinfer's public plan()), then records the event the next plan waits on."""
-    qo_indptr = torch.arange(T + 1, dtype=torch.int32)
-    if st["last"] is None or not _replan(st, qo_indptr, kv_indptr, kv_indices, kv_len, cfg):
-        _flashinfer_plan(st["wrapper"], qo_indptr, kv_indptr, kv_indices, kv_len, cfg)
-    st["event"] = torch.cuda.Event()
-    st["event"].record()
-
-
-def _flashinfer_plan(wrapper, qo_indptr, kv_indptr, kv_indices, kv_len, cfg):
-    """flashinfer's public plan(): one bf16 query token a row over its page-size-1 KV slots, not causal."""
-    from flashinfer.mla._batch_mla._contracts import MLAPlanMetadata
-
-    wrapper.plan(
-        metadata=MLAPlanMetadata.csr(qo_indptr, kv_indptr, kv_indices, kv_len),
-        num_heads=cfg.n_heads // _ranks(),
-        head_dim_ckv=cfg.kv_lora_rank,
-        head_dim_kpe=cfg.qk_rope_head_dim,
-        page_size=1,
-        causal=False,
-        sm_scale=cfg.softmax_scale,
-        q_data_type=BF16,
-        kv_data_type=BF16,
-        query_layout="split",
-        kv_cache_layout="split",
-    )
-
-
-def _replan(st, qo_indptr, kv_indptr, kv_indices, kv_len, cfg):
-    """New lengths for a wrapper planned before: flashinfer's C++ scheduler alone, without the validation and
-    snapshots of its Python plan() (measured ~1 ms a call, more than a whole decode step's kernels at bs=1).
-    Reaches into flashinfer 0.7.2's FA3 backend (pinned in requirements.txt); False: use the public plan()."""
-    be = getattr(st["wrapper"], "_planned_backend", None)
-    if be is None or not hasattr(be, "_cached_module") or not hasattr(be, "_plan_info"):
-        return False
-    info, _ = be._cached_module.plan_with_staged_workspace_bytes(
-        be._float_workspace_buffer,
-        be._int_workspace_buffer,
-        be._pin_memory_int_workspace_buffer,
-        qo_indptr,
-        kv_indptr,
-        kv_len,
-        cfg.n_heads // _ranks(),
-        cfg.kv_lora_rank,
-        False,
-    )
-    if "fixed" in st:  # a CUDA graph replays the captured workspace offsets: they must hold
-        assert list(info) == list(be._plan_info), "flashinfer moved its plan's workspace under a CUDA graph"
-        be._kv_indptr_buf.copy_(to_device(kv_indptr, kv_indices.device))
-    else:
-        be._plan_info = info
-        be._kv_indices_buf = kv_indices
-        dev = kv_indices.device
-        be._kv_indptr_buf = to_device(kv_indptr, dev)
-        be._kv_len_arr_buf = to_device(kv_len, dev)
-    return True
+@triton.jit
+def _mla_combine_kernel(part_ptr, ml_ptr, out_ptr, T, H, SPLITS: tl.constexpr, C: tl.constexpr):
+    """One (row, head): the chunks' partial softmaxes merged in chunk order (a chunk with no slot adds
+    exact zeros; the chunk holding the maximum is weighted by exactly 1, as if it were alone)."""
+    t, h = tl.program_id(0), tl.program_id(1)
+    c = tl.arange(0, C)
+    m_max = float("-inf")
+    for s in tl.static_range(SPLITS):
+        m_max = tl.maximum(m_max, tl.load(ml_ptr + ((s * T + t).to(tl.int64) * H + h) * 2))
+    acc = tl.zeros([C], tl.float32)
+    lsum = 0.0
+    for s in tl.static_range(SPLITS):
+        part = (s * T + t).to(tl.int64) * H + h
+        m_s = tl.load(ml_ptr + part * 2)
+        w = tl.where(m_s == m_max, 1.0, tl.exp(m_s - m_max))
+        lsum += tl.load(ml_ptr + part * 2 + 1) * w
+        acc += tl.load(part_ptr + part * C + c) * w
+    out = acc / lsum
+    tl.store(out_ptr + (t.to(tl.int64) * H + h) * C + c, out.to(out_ptr.dtype.element_ty))
 
 
 def sparse_mla(q_abs, q_pe, cache, slots, meta, scale):
-    """Kernel of nano_nsa.sparse_mla: bf16 q and cache, fp32 softmax and accumulation, bf16 out."""
-    p = meta.plan
-    st = _state[p["state"]]
-    assert p is st["last"], "a step's plan was replaced before its layers ran (plan once per step)"
-    assert slots.shape[1] == p["width"]
-    p["kv_indices"].scatter_(0, p["dest"], slots.flatten().to(torch.int32))  # this layer's slots, packed rows
-    if st["wrapper"] is None:
-        return _sparse_mla_blackwell(q_abs, q_pe, cache, slots, p, st)
+    """Kernel of nano_nsa.sparse_mla: bf16 q and cache, fp32 softmax and sums, bf16 out. Batch-invariant: a
+    row is split into chunks of MLA_CHUNK of its own selected slots, merged in chunk order, whatever else runs
+    (flashinfer's FA3 scheduler splits the KV by the number of rows, so the same row gave different bits in
+    different batches). Blackwell: flashinfer's trtllm-gen decode kernel (unverified, see below)."""
+    if torch.cuda.get_device_capability(q_abs.device)[0] == 10:
+        return _sparse_mla_blackwell(q_abs, q_pe, cache, slots, meta, scale)
     T, H, C = q_abs.shape
+    R = q_pe.shape[-1]
+    W = slots.shape[1]
+    splits = triton.cdiv(W, MLA_CHUNK)
     out = torch.empty(T, H, C, dtype=BF16, device=q_abs.device)
-    latent = cache.latent[:, None, :]  # [S, page 1, C + R]
-    st["wrapper"].run(
-        query=(q_abs.to(BF16).contiguous(), q_pe.to(BF16).contiguous()),
-        kv_cache=(latent[..., :C], latent[..., C:]),
-        out=out,
-    )
+    step = max(1, MLA_PARTIAL_BYTES // (splits * H * C * 4))  # rows per launch (independent of each other)
+    for t0 in range(0, T, step):
+        rows = slice(t0, min(T, t0 + step))
+        n = rows.stop - rows.start
+        part = torch.empty(splits * n * H * C if splits > 1 else 0, dtype=torch.float32, device=q_abs.device)
+        ml = torch.empty(splits * n * H * 2 if splits > 1 else 0, dtype=torch.float32, device=q_abs.device)
+        _sparse_mla_kernel[(n, triton.cdiv(H, MLA_BLOCK_H), splits)](
+            q_abs[rows].to(BF16).contiguous(),
+            q_pe[rows].to(BF16).contiguous(),
+            cache.latent,
+            slots[rows].contiguous(),
+            meta.ctx_lens[rows].contiguous(),
+            out[rows],
+            part,
+            ml,
+            n,
+            H,
+            W,
+            scale,
+            C=C,
+            R=R,
+            SPLITS=splits,
+            CHUNK=MLA_CHUNK,
+            BLOCK_H=MLA_BLOCK_H,
+            BLOCK_N=MLA_BLOCK_N,
+            num_warps=4,
+            num_stages=2,
+        )
+        if splits > 1:
+            _mla_combine_kernel[(n, H)](part, ml, out[rows], n, H, SPLITS=splits, C=C, num_warps=4)
     return out
 
 
-def _sparse_mla_blackwell(q_abs, q_pe, cache, slots, p, st):
+def _sparse_mla_blackwell(q_abs, q_pe, cache, slots, meta, scale):
     """Blackwell (SM100/103) variant: flashinfer's trtllm-gen sparse MLA decode, every row its own request of
     one query token with its own (expanded) length, so verify and draft-extend rows go through it as decode
     rows. UNVERIFIED ON HARDWARE: no Blackwell GPU was available to this project; it is written from
-    flashinfer's documented signature and has never been executed."""
+    flashinfer's documented signature and has never been executed, and whether its split of the KV depends on
+    the batch is not known (the Triton kernel above is batch-invariant and runs on Blackwell too)."""
     from flashinfer.mla import trtllm_batch_decode_with_kv_cache_mla
 
     T, H, C = q_abs.shape
+    W = slots.shape[1]
+    if "workspace" not in _BLACKWELL:
+        _BLACKWELL["workspace"] = torch.zeros(WORKSPACE_BYTES, dtype=torch.uint8, device=q_abs.device)
     q = torch.cat([q_abs.to(BF16), q_pe.to(BF16)], -1)[:, None]  # [T, 1, H, C + R]
     out = trtllm_batch_decode_with_kv_cache_mla(
         query=q,
         kv_cache=cache.latent[:, None, :],
-        workspace_buffer=st["workspace"],
-        qk_nope_head_dim=p["qk_nope_head_dim"],
+        workspace_buffer=_BLACKWELL["workspace"],
+        qk_nope_head_dim=128,  # DeepSeek-V3.2's (the absorbed form does not read it)
         kv_lora_rank=C,
         qk_rope_head_dim=q_pe.shape[-1],
         block_tables=slots.to(torch.int32)[:, None, :],
-        seq_lens=p["kv_len"],
-        max_seq_len=p["max_kv_len"],
-        sparse_mla_top_k=p["width"],
-        bmm1_scale=p["scale"],
+        seq_lens=meta.ctx_lens.clamp(max=W).to(torch.int32),
+        max_seq_len=W,
+        sparse_mla_top_k=W,
+        bmm1_scale=scale,
         backend="trtllm-gen",
     )
     return out.view(T, H, C)
+
+
+_BLACKWELL = {}  # the trtllm-gen workspace (zeroed, as it requires)
 
 
 # ------------------------------------------------------------------------------------------------------------
@@ -434,8 +388,8 @@ def _fp8_gemm_kernel(
 ):
     """C[m, n] = sum over 128-wide k blocks of (A8[m, kb] . B8[n, kb]) * sa[m, kb] * sb[n // 128, kb], fp32.
     GATHER: row m of A is rows[m] (-1: a padding row). GROUPED: this block of M rows belongs to expert
-    experts[pid_m] (-1: none) and reads that expert's B. SPLIT_K > 1: k blocks split over programs, atomically
-    summed (small N at decode would otherwise leave most SMs idle)."""
+    experts[pid_m] (-1: none) and reads that expert's B. SPLIT_K > 1: program k sums the k blocks k, k +
+    SPLIT_K, ... into its own [M, N] slice of C (_sum_splits_kernel adds the slices in order)."""
     pid_m, pid_n, pid_k = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -466,67 +420,109 @@ def _fp8_gemm_kernel(
         sa = tl.load(as_ptr + rows * KB + kb, mask=valid_m, other=0.0)
         sb = tl.load(bs_ptr + (offs_n // 128) * KB + kb, mask=valid_n, other=0.0)
         acc += tl.dot(a, tl.trans(b)) * sa[:, None] * sb[None, :]
-    c = c_ptr + offs_m[:, None].to(tl.int64) * N + offs_n[None, :]
+    c = c_ptr + pid_k.to(tl.int64) * M * N + offs_m[:, None].to(tl.int64) * N + offs_n[None, :]
     mask = (offs_m < M)[:, None] & valid_n[None, :]
-    if SPLIT_K == 1:
-        tl.store(c, acc.to(c_ptr.dtype.element_ty), mask=mask)
-    else:
-        tl.atomic_add(c, acc, mask=mask)
+    tl.store(c, acc.to(c_ptr.dtype.element_ty), mask=mask)
 
 
-def _gemm(a, sa, b, sb, M, N, rows=None, experts=None, block_m=16, out_dtype=BF16):
-    """A8 [*, K] (rows picked by `rows` if given), B8 [N, K] or [E, N, K] (with `experts` per block of block_m
-    rows) -> C [M, N] out_dtype, fp32 accumulation of each 128-block product times its two scales."""
+@triton.jit
+def _sum_splits_kernel(part_ptr, c_ptr, MN, SPLIT_K: tl.constexpr, BLOCK: tl.constexpr):
+    """c = the split-K partials [SPLIT_K, M, N] summed in split order (fp32), rounded once."""
+    i = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    mask = i < MN
+    acc = tl.zeros([BLOCK], tl.float32)
+    for s in tl.static_range(SPLIT_K):
+        acc += tl.load(part_ptr + s * MN + i, mask=mask, other=0.0)
+    tl.store(c_ptr + i, acc.to(c_ptr.dtype.element_ty), mask=mask)
+
+
+GEMM_BLOCK_M = 64  # one tile height for every M: a row's sums never depend on how many rows there are
+GEMM_BLOCK_N = 64
+GEMM_PARTIAL_BYTES = 64 << 20  # bound on the split-K partials of one launch (long prefills run in parts)
+
+
+def gemm_split(N, K):
+    """Split-K of an [N, K] weight, from its shape only (never from the number of rows, which would make a
+    row's sum order depend on the batch): enough programs to fill ~132 SMs at one row tile, at most 64 KB of
+    fp32 partials per row."""
+    return max(1, min(K // 128, 256 // triton.cdiv(N, GEMM_BLOCK_N), 16384 // N))
+
+
+def _gemm(a, sa, b, sb, M, N, rows=None, experts=None, out_dtype=BF16):
+    """A8 [*, K] (rows picked by `rows` if given), B8 [N, K] or [E, N, K] (with `experts` per block of
+    GEMM_BLOCK_M rows) -> C [M, N] out_dtype, fp32 accumulation of each 128-block product times its two
+    scales, in an order fixed by the weight's shape."""
     K = b.shape[-1]
-    grid_mn = triton.cdiv(M, block_m) * triton.cdiv(N, 64)
-    split = max(1, min(K // 128, 256 // grid_mn)) if experts is None else 1  # fill 132 SMs at decode
-    if split > 1:  # the programs of a split add their partial sums into c atomically, in fp32
-        c = torch.zeros(M, N, device=a.device, dtype=torch.float32)
-    else:
-        c = torch.empty(M, N, device=a.device, dtype=out_dtype)
-    _fp8_gemm_kernel[(triton.cdiv(M, block_m), triton.cdiv(N, 64), split)](
-        a,
-        sa,
-        rows,
-        b,
-        sb,
-        experts,
-        c,
-        M,
-        N,
-        K,
-        GATHER=rows is not None,
-        GROUPED=experts is not None,
-        SPLIT_K=split,
-        BLOCK_M=block_m,
-        BLOCK_N=64,
-        num_warps=4,
-        num_stages=3,
-    )
-    return c.to(out_dtype)
+    split = gemm_split(N, K) if experts is None else 1
+    c = torch.empty(M, N, device=a.device, dtype=out_dtype)
+    step = M if split == 1 else max(GEMM_BLOCK_M, GEMM_PARTIAL_BYTES // (split * N * 4))
+    for m0 in range(0, M, step):  # rows are independent: a long prefill runs in parts of bounded memory
+        m = min(step, M - m0)
+        if split == 1:
+            out = c[m0 : m0 + m]
+        else:
+            out = torch.empty(split, m, N, device=a.device, dtype=torch.float32)
+        _fp8_gemm_kernel[(triton.cdiv(m, GEMM_BLOCK_M), triton.cdiv(N, GEMM_BLOCK_N), split)](
+            a[m0:],  # (moe's gathered rows never split: m0 = 0)
+            sa[m0:],
+            rows,
+            b,
+            sb,
+            experts,
+            out,
+            m,
+            N,
+            K,
+            GATHER=rows is not None,
+            GROUPED=experts is not None,
+            SPLIT_K=split,
+            BLOCK_M=GEMM_BLOCK_M,
+            BLOCK_N=GEMM_BLOCK_N,
+            num_warps=4,
+            num_stages=3,
+        )
+        if split > 1:
+            BLOCK = 1024
+            _sum_splits_kernel[(triton.cdiv(m * N, BLOCK),)](
+                out, c[m0 : m0 + m], m * N, SPLIT_K=split, BLOCK=BLOCK, num_warps=4
+            )
+    return c
 
 
 def fp8_linear(x, w, scale, partial=False):
     """Kernel of nano_nsa.fp8_linear: act_quant then the block-scaled FP8 GEMM, bf16 out (partial: fp32)."""
     q, s = act_quant(x)
     M = q.numel() // q.shape[-1]
-    block_m = 16 if M <= 16 else 64
     out_dtype = torch.float32 if partial else BF16
-    y = _gemm(q.view(M, -1), s.view(M, -1), w, scale, M, w.shape[0], block_m=block_m, out_dtype=out_dtype)
+    y = _gemm(q.view(M, -1), s.view(M, -1), w, scale, M, w.shape[0], out_dtype=out_dtype)
     return y.view(*x.shape[:-1], w.shape[0])
+
+
+@triton.jit
+def _combine_kernel(o_ptr, pos_ptr, w_ptr, y_ptr, D, A: tl.constexpr, BLOCK: tl.constexpr):
+    """y[t] = sum over a = 0..A-1, in that order, of w[t, a] * o[pos[t, a]] (fp32): a token's expert rows
+    gathered and summed in a fixed order (index_add_'s float atomics add them in any order)."""
+    t = tl.program_id(0).to(tl.int64)
+    d = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = d < D
+    acc = tl.zeros([BLOCK], tl.float32)
+    for a in tl.static_range(A):
+        row = tl.load(pos_ptr + t * A + a)
+        acc += tl.load(o_ptr + row * D + d, mask=mask, other=0.0).to(tl.float32) * tl.load(w_ptr + t * A + a)
+    tl.store(y_ptr + t * D + d, acc, mask=mask)
 
 
 def moe(x, weights, idx, w13, s13, w2, s2):
     """Kernel of nano_nsa.moe_experts, with no host synchronization: the (token, expert) pairs are sorted by
-    expert into blocks of block_m rows (each expert's rows padded to whole blocks, so a block reads one
-    expert's weights, and an expert with at most block_m rows reads its weights once); one grouped FP8 GEMM
-    for w1|w3, SiLU-and-multiply, act-quant, one grouped GEMM for w2, then the weighted sum back into token
-    rows. Expert parallel: idx E (another rank's expert) is sorted into blocks of expert -1, which the GEMMs
-    skip."""
+    expert into blocks of GEMM_BLOCK_M rows (each expert's rows padded to whole blocks, so a block reads one
+    expert's weights); one grouped FP8 GEMM for w1|w3, SiLU-and-multiply, act-quant, one grouped GEMM for w2,
+    then each token's rows gathered back and summed in choice order. Batch-invariant: one tile height and no
+    split-K whatever the number of pairs, no atomics. Expert parallel: idx E (another rank's expert) is sorted
+    into blocks of expert -1, which the GEMMs skip (zero rows)."""
     T, A = idx.shape
     E, I2, dim = w13.shape
     P = T * A
-    bm = 16 if P <= 64 * 16 else 64
+    bm = GEMM_BLOCK_M
     n_blocks = min(E + 1, P) + triton.cdiv(P, bm)  # an upper bound on the padded blocks, known on host
     flat = idx.flatten()
     order = flat.argsort(stable=True)
@@ -539,20 +535,21 @@ def moe(x, weights, idx, w13, s13, w2, s2):
     )
     R = n_blocks * bm
     token = torch.full((R,), -1, dtype=torch.int64, device=x.device).index_put_((dest,), order // A)
-    weight = torch.zeros(R, dtype=torch.float32, device=x.device).index_put_(
-        (dest,), weights.flatten()[order]
-    )
+    pos = torch.empty_like(dest).scatter_(0, order, dest)  # [P]: the sorted row of pair (t, a)
     starts = torch.arange(n_blocks, device=x.device) * bm
     experts = torch.searchsorted(pad_end, starts, right=True).to(torch.int32)
     experts = torch.where(experts < E, experts, -1)
     q, s = act_quant(x)
-    h = _gemm(q, s, w13, s13, R, I2, rows=token, experts=experts, block_m=bm)  # [R, 2I] bf16
+    h = _gemm(q, s, w13, s13, R, I2, rows=token, experts=experts)  # [R, 2I] bf16
     h = (F.silu(h[:, : I2 // 2].float()) * h[:, I2 // 2 :].float()).to(BF16)
     q2, s2_ = act_quant(h)
-    o = _gemm(q2, s2_, w2, s2, R, dim, experts=experts, block_m=bm)  # [R, dim] bf16
-    y = torch.zeros(T + 1, dim, dtype=torch.float32, device=x.device)  # row T: padding rows
-    y.index_add_(0, torch.where(token >= 0, token, T), o.float() * weight[:, None])
-    return y[:T]
+    o = _gemm(q2, s2_, w2, s2, R, dim, experts=experts)  # [R, dim] bf16
+    y = torch.empty(T, dim, dtype=torch.float32, device=x.device)
+    BLOCK = 1024
+    _combine_kernel[(T, triton.cdiv(dim, BLOCK))](
+        o, pos, weights.float().contiguous(), y, dim, A=A, BLOCK=BLOCK, num_warps=4
+    )
+    return y
 
 
 def dense_linear(x, w):
@@ -573,7 +570,6 @@ def bf16_dtype(w):
 
 GPU_OPS = SimpleNamespace(
     name="kernels.py (flashinfer sparse MLA, Triton indexer / FP8 GEMM / MoE, SDPA prefill)",
-    plan=plan,
     index_quant=index_quant,
     index_topk=index_topk,
     sparse_mla=sparse_mla,

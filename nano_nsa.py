@@ -652,10 +652,8 @@ class Meta:
     table: torch.Tensor  # [B, N] KV-pool slot of every context position of each request (page size 1)
     ctx_lens: torch.Tensor  # [T] causal length of each row = position + 1
     cu_seqlens: list  # [B + 1] host: row offsets of each request
-    ctx_host: torch.Tensor  # [T] ctx_lens on the host (the kernels' schedule is planned from it)
+    ctx_host: torch.Tensor  # [T] ctx_lens on the host (prefill chunks slice their context by it)
     max_ctx: int  # the longest row context (host); under a CUDA graph, the bound it was captured for
-    plan: object = None  # the attention kernel's plan for these rows (ops.plan), made once per step
-    graphed: bool = False  # the tensors are a CUDA graph's static buffers (ops.plan keeps its own fixed too)
 
     @classmethod
     def build(cls, mode, starts, lens, table):
@@ -687,7 +685,6 @@ class Meta:
             ctx_lens=self.ctx_lens + shift,
             ctx_host=self.ctx_host + shift,
             max_ctx=self.max_ctx + shift,
-            plan=None,
         )
 
     def dense(self, index_topk):
@@ -800,8 +797,7 @@ class Indexer(nn.Module):
 def sparse_mla(q_abs, q_pe, cache: LayerCache, slots, meta: Meta, scale):
     """Absorbed ("MQA") sparse attention, one query row per token: the reference of the sparse MLA decode
     kernel. q_abs [T, H, C] (q_nope already multiplied into the latent space), q_pe [T, H, R]; slots [T, K]
-    each row's selected KV-pool slots (-1 = none; the valid ones first) -> o_lat [T, H, C] fp32.
-    (`meta.plan` is the kernel's.)"""
+    each row's selected KV-pool slots (-1 = none; the valid ones first) -> o_lat [T, H, C] fp32."""
     acc = acc_dtype(q_abs)
     kv = cache.kv[slots.clamp(min=0)].to(acc)  # [T, K, C]
     pe = cache.pe[slots.clamp(min=0)].to(acc)  # [T, K, R]
@@ -1050,8 +1046,6 @@ class Transformer(nn.Module):
     def forward(self, tokens, meta: Meta, cache: KVCache):
         """tokens [T] -> hidden [T, dim] bf16 after the final norm (the lm_head input, also what MTP
         consumes)."""
-        # once per step: every layer and MTP pass reuse it
-        meta.plan = meta.plan or self.ops.plan(meta, self.cfg)
         cos, sin = rope_cos_sin(self.cfg, meta.positions)
         h = self.embed(tokens)
         residual = None
@@ -1064,7 +1058,6 @@ class Transformer(nn.Module):
 
     @torch.inference_mode()
     def mtp_forward(self, next_tokens, h, meta: Meta, cache: KVCache, mtp_layer=0):
-        meta.plan = meta.plan or self.ops.plan(meta, self.cfg)
         return self.mtp[mtp_layer](next_tokens, h, meta, cache.layer(self.cfg.n_layers + mtp_layer))
 
 
@@ -1094,15 +1087,8 @@ class KVCache:
 # ---- The kernel boundary: the few names through which the GPU path plugs in --------------------------------
 # Layers call these through `self.ops`. Transformer.bind points every layer at one set, once, at load:
 # TORCH_OPS (the readable references above, on any device) or kernels.GPU_OPS (the same names and signatures).
-def no_plan(meta, cfg):
-    """The references need no schedule (kernels: the attention schedule of a step's rows, made once per
-    step)."""
-    return None
-
-
 TORCH_OPS = SimpleNamespace(
     name="torch reference",
-    plan=no_plan,
     index_quant=index_quant,  # indexer q / k: Hadamard + FP8 quantization      (Indexer)
     index_topk=index_topk,  # indexer scores + causal mask + top-k            (Indexer)
     sparse_mla=sparse_mla,  # absorbed sparse attention, one row per token   (MLA: decode/verify/long)
@@ -1660,8 +1646,17 @@ def check_generate_args(prompts, args, on_tokens):
     require(
         is_list, f"prompts must be a string, a list of token ids, or a list of those (got {prompts!r:.80})"
     )
+    max_new = args["max_new_tokens"]
+    if isinstance(max_new, (list, tuple)):  # one value per prompt
+        require(
+            len(max_new) == len(prompts),
+            f"max_new_tokens has {len(max_new)} values for {len(prompts)} prompts",
+        )
+        for n in max_new:
+            check_arg("max_new_tokens", n, *SAMPLING["max_new_tokens"])
     for name, rule in SAMPLING.items():
-        check_arg(name, args[name], *rule)
+        if name != "max_new_tokens" or not isinstance(max_new, (list, tuple)):
+            check_arg(name, args[name], *rule)
     for name in FLAGS:
         check_arg(name, args[name], bool)
     require(on_tokens is None or callable(on_tokens), f"on_tokens must be a function (got {on_tokens!r:.80})")
@@ -1749,11 +1744,12 @@ class Scheduler:
     to host memory, its pages go back, and it waits at the front of the queue to be swapped in and go on
     exactly where it stopped (same KV, same drafts)."""
 
-    def __init__(self, pool: PagePool, max_batch, max_prefill_tokens, num_draft):
+    def __init__(self, pool: PagePool, max_batch, max_prefill_tokens, num_draft, index_topk):
         self.pool = pool
         self.max_batch = max_batch
         self.max_prefill_tokens = max_prefill_tokens
         self.num_draft = num_draft
+        self.index_topk = index_topk
         self.waiting = []
         self.running = []
         self.preemptions = 0
@@ -1785,11 +1781,19 @@ class Scheduler:
             self.running.append(self.waiting.pop(0))
 
     def prefill_chunks(self, reqs):
+        """This step's prompt chunks, at most max_prefill_tokens rows in all. Batch-invariant: a prompt is
+        cut at fixed multiples of max_prefill_tokens, and a step never mixes chunks whose context fits in
+        top-k (dense attention, Meta.dense) with longer ones, so neither a chunk's rows nor its attention form
+        depend on what else runs. A chunk that does not fit waits for the next step."""
         chunks = []
         budget = self.max_prefill_tokens
+        step_dense = None  # whether this step's chunks attend densely: its first chunk decides
         for r in reqs:
-            n = min(r.prefill_target - r.num_cached, budget)
-            if n <= 0:
+            n = min(r.prefill_target - r.num_cached, self.max_prefill_tokens)
+            dense = r.num_cached + n <= self.index_topk
+            if step_dense is None:
+                step_dense = dense
+            if n > budget or dense != step_dense:
                 break
             chunks.append((r, r.num_cached, n))
             budget -= n
@@ -1975,8 +1979,7 @@ class CudaGraphs:
     """The decode round's forward passes ('verify', 'extend', 'draft': see Runner.forward) as CUDA graphs,
     one per batch-size bucket and context bound (the indexer's width is a shape: index_topk at start,
     powers of two above it on first use). A replay copies the step's inputs into static buffers (padding
-    rows write the dummy slot 0 and read one position) after making the step's attention plan (ops.plan:
-    host work, exact lengths)."""
+    rows write the dummy slot 0 and read one position)."""
 
     def __init__(self, model: Transformer, cache: KVCache, num_draft, max_batch, max_context, page_size):
         cfg, dev = model.cfg, cache.latent.device
@@ -2038,12 +2041,10 @@ class CudaGraphs:
             cu_seqlens=list(range(0, T + 1, n)),
             ctx_host=torch.ones(T, dtype=torch.long),
             max_ctx=width,
-            graphed=True,
         )
         self.positions[:T] = 0
         self.slots[:T] = 0
         self.ctx[:T] = 1
-        meta.plan = model.ops.plan(meta, model.cfg)
 
         def forward():
             if kind == "verify":
@@ -2087,8 +2088,6 @@ class CudaGraphs:
         self.ctx[T:padded] = 1
         self.table[:B, : meta.table.shape[1]] = meta.table
         self.table[B:bs, 0] = 0
-        static.ctx_host = F.pad(meta.ctx_host, (0, padded - T), value=1)
-        static.plan = self.model.ops.plan(static, self.model.cfg)  # exact lengths, before the replay
         graph.replay()
         return out[:T]
 
@@ -2134,7 +2133,7 @@ class LLM:
         num_pages = self.pool_pages(kv_cache_bytes, page_bytes)
         self.cache = KVCache(self.cfg, num_pages * page_size, self.device)
         self.pool = PagePool(self.cache, page_size)
-        self.scheduler = Scheduler(self.pool, max_batch, max_prefill_tokens, mtp)
+        self.scheduler = Scheduler(self.pool, max_batch, max_prefill_tokens, mtp, self.cfg.index_topk)
         graphs = None  # the torch references sync the host: no graphs for them
         if cuda_graphs and self.device.type == "cuda" and self.model.ops is not TORCH_OPS:
             graphs = CudaGraphs(self.model, self.cache, mtp, max_batch, self.max_context, page_size)
@@ -2171,7 +2170,7 @@ class LLM:
         on_tokens=None,
     ):
         """prompts: strings (chat-encoded as a user turn; raw=True: plain completion) or lists of token
-        ids."""
+        ids. max_new_tokens: one value for every prompt, or a list of one per prompt."""
         args = dict(locals(), seed=0 if seed is None else seed)
         prompts = check_generate_args(prompts, args, on_tokens)
         if not prompts:
@@ -2219,10 +2218,12 @@ class LLM:
         if seed is None:  # a fresh seed, the same on every rank
             fresh = torch.tensor([int.from_bytes(os.urandom(6), "little")], device=self.device)
             seed = int(all_reduce(fresh, dist.ReduceOp.MAX))
-        max_new = args["max_new_tokens"]
         capacity = self.pool.free_slots
         reqs = []
         for i, prompt in enumerate(prompts):
+            max_new = args["max_new_tokens"]
+            if isinstance(max_new, (list, tuple)):
+                max_new = max_new[i]
             ids = self.encode(prompt, args["thinking"], args["raw"])
             require(ids, f"prompt {i} is empty")
             in_vocab = min(ids) >= 0 and max(ids) < self.cfg.vocab_size

@@ -1157,25 +1157,51 @@ def _batch_op(op, batch, gen):
     import kernels
 
     cfg = m.Config.full(2)
+
+    def rows(*shape, scale=1.0):
+        return (torch.randn(batch, *shape, device="cuda", generator=gen) * scale).to(m.BF16)
+
+    def weight(*shape, scale=0.01):
+        return (torch.randn(*shape, device="cuda", generator=gen) * scale).to(m.BF16)
+
     if op == "act_quant":
-        x = torch.randn(batch, 7168, device="cuda", generator=gen).to(m.BF16)
+        x = rows(7168)
         return lambda n: torch.cat([t.float().flatten(1) for t in kernels.act_quant(x[:n])], 1)
-    if op == "rmsnorm":
-        norm = m.RMSNorm(7168, 1e-6).cuda()
+    if op == "index_quant":
+        x = rows(64, 128)
+        return lambda n: torch.cat([t.float().flatten(1) for t in kernels.index_quant(x[:n])], 1)
+    if op in ("rmsnorm", "rmsnorm_q"):
+        dim = 7168 if op == "rmsnorm" else 1536
+        norm = m.RMSNorm(dim, 1e-6).cuda()
         norm.weight.data.uniform_(0.5, 1.5)
-        x = torch.randn(batch, 7168, device="cuda", generator=gen).to(m.BF16)
+        x = rows(dim)
+        return lambda n: norm(x[:n])
+    if op == "layernorm":
+        norm = torch.nn.LayerNorm(128, 1e-6).cuda()
+        x = rows(128).float()
         return lambda n: norm(x[:n])
     if op.startswith("fp8_linear"):
-        n_out, k = dict(
-            fp8_linear_wq_a=(1536, 7168), fp8_linear_wo=(7168, 16384), fp8_linear_wkv_a=(576, 7168)
-        )[op]
+        shapes = dict(fp8_linear_wq_a=(1536, 7168), fp8_linear_wo=(7168, 16384), fp8_linear_wkv_a=(576, 7168))
+        n_out, k = shapes[op]
         w, scale = _random_fp8(n_out, k, gen)
-        x = torch.randn(batch, k, device="cuda", generator=gen).to(m.BF16)
+        x = rows(k)
         return lambda n: kernels.fp8_linear(x[:n], w, scale)
-    if op == "dense_linear_head":
-        w = (torch.randn(cfg.vocab_size, 7168, device="cuda", generator=gen) * 0.01).to(m.BF16)
-        x = torch.randn(batch, 7168, device="cuda", generator=gen).to(m.BF16)
+    if op.startswith("dense_linear"):
+        n_out, k = dict(head=(cfg.vocab_size, 7168), weights_proj=(64, 7168), eh_proj=(7168, 14336))[op[13:]]
+        w = weight(n_out, k)
+        x = rows(k)
         return lambda n: kernels.dense_linear(x[:n], w)
+    if op == "gate":  # Gate.forward's fp32 router scores
+        w = weight(256, 7168)
+        x = rows(7168)
+        return lambda n: F.linear(x[:n].float(), w.float())
+    if op in ("absorb_q", "absorb_o"):  # MLA.attend_sparse's W_UK / W_UV products (bf16 on the GPU)
+        w = weight(128, 256, 512, scale=0.05)
+        if op == "absorb_q":
+            q = rows(128, 128)
+            return lambda n: torch.einsum("thd,hdc->thc", q[:n], w[:, :128])
+        o = rows(128, 512)
+        return lambda n: torch.einsum("thc,hvc->thv", o[:n], w[:, 128:])
     if op == "moe":
         w13, s13 = _random_fp8(256 * 4096, 7168, gen)
         w2, s2 = _random_fp8(256 * 7168, 2048, gen)
@@ -1183,65 +1209,154 @@ def _batch_op(op, batch, gen):
         s13 = s13.view(256, 32, 56)
         w2 = w2.view(256, 7168, 2048)
         s2 = s2.view(256, 56, 16)
-        x = torch.randn(batch, 7168, device="cuda", generator=gen).to(m.BF16)
+        x = rows(7168)
         idx = torch.rand(batch, 256, device="cuda", generator=gen).topk(8, -1).indices
         weights = torch.rand(batch, 8, device="cuda", generator=gen)
         return lambda n: kernels.moe(x[:n], weights[:n], idx[:n], w13, s13, w2, s2)
     ctx = 4096
     cache, table = _decode_rows(batch, ctx, cfg, gen)
 
-    def meta_for(n):
-        meta = m.Meta.build("decode", [ctx - 1] * n, [1] * n, table[:n])
-        meta.plan = kernels.plan(meta, cfg)
-        return meta
+    def meta_for(n):  # every row at the same context: the batch changes nothing but the number of rows
+        return m.Meta.build("decode", [ctx - 1] * n, [1] * n, table[:n])
 
     if op == "index_topk":
         q8 = (torch.randn(batch, 64, 128, device="cuda", generator=gen) * 4).to(m.FP8)
         head_weights = torch.rand(batch, 64, device="cuda", generator=gen)
         return lambda n: kernels.index_topk(q8[:n], head_weights[:n], cache, meta_for(n), 1024).float()
-    q_abs = torch.randn(batch, 128, 512, device="cuda", generator=gen).to(m.BF16)
-    q_pe = torch.randn(batch, 128, 64, device="cuda", generator=gen).to(m.BF16)
+    q_abs = rows(128, 512)
+    q_pe = rows(128, 64)
     chosen = torch.rand(batch, ctx, device="cuda", generator=gen).topk(2048, -1).indices
     slots = table.gather(1, chosen)
     return lambda n: kernels.sparse_mla(q_abs[:n], q_pe[:n], cache, slots[:n], meta_for(n), cfg.softmax_scale)
 
 
-BATCH_OPS = [
-    "act_quant",
-    "rmsnorm",
-    "fp8_linear_wq_a",
-    "fp8_linear_wkv_a",
-    "fp8_linear_wo",
-    "dense_linear_head",
-]
-BATCH_OPS += ["moe", "index_topk", "sparse_mla"]
-# Measured batch-dependent on an H200 (2026-11-23; docs/batch_invariance.md); issue 18 makes them invariant.
-BATCH_DEPENDENT = {
-    "fp8_linear_wq_a": "split-K partial sums added with atomics, tile height chosen by M",
-    "fp8_linear_wkv_a": "split-K partial sums added with atomics, tile height chosen by M",
-    "fp8_linear_wo": "split-K partial sums added with atomics, tile height chosen by M",
-    "moe": "expert outputs combined with index_add_: atomics, so some runs differ and some do not",
-    "sparse_mla": "flashinfer's plan splits the KV by the number of rows",
-}
-
-
-def batch_op_param(op):
-    flaky = op == "moe"  # run-to-run nondeterministic: equal on some runs
-    xfail = pytest.mark.xfail(op in BATCH_DEPENDENT, reason=BATCH_DEPENDENT.get(op, ""), strict=not flaky)
-    return pytest.param(op, marks=xfail)
+BATCH_OPS = ["act_quant", "index_quant", "rmsnorm", "rmsnorm_q", "layernorm"]
+BATCH_OPS += ["fp8_linear_wq_a", "fp8_linear_wkv_a", "fp8_linear_wo"]
+BATCH_OPS += ["dense_linear_head", "dense_linear_weights_proj", "dense_linear_eh_proj", "gate"]
+BATCH_OPS += ["absorb_q", "absorb_o", "moe", "index_topk", "sparse_mla"]
 
 
 @gpu
-@pytest.mark.parametrize("op", [batch_op_param(op) for op in BATCH_OPS])
+@pytest.mark.parametrize("op", BATCH_OPS)
 def test_gpu_op_row_does_not_depend_on_batch(op):
-    """Batch invariance, op by op at full-width shapes: a row's output computed alone equals, bit for bit, the
-    same row computed inside batches of 4, 16 and 64 rows of other inputs."""
+    """Batch invariance, op by op at full-width shapes, every op a decode or verify row goes through: a row's
+    output computed alone equals, bit for bit, the same row computed inside batches of 2 to 256 rows of other
+    inputs (run twice: no run-to-run nondeterminism either)."""
     gen = torch.Generator("cuda").manual_seed(BATCH_OPS.index(op))
-    fn = _batch_op(op, 64, gen)
+    sizes = (2, 3, 4, 5, 16, 64, 256)
+    fn = _batch_op(op, 256 if op != "moe" else 64, gen)
     alone = fn(1)[0]
-    diffs = {n: (fn(n)[0].float() - alone.float()).abs().max().item() for n in (4, 16, 64)}
+    diffs = {
+        n: (fn(n)[0].float() - alone.float()).abs().max().item() for n in sizes if n <= 64 or op != "moe"
+    }
+    diffs["again"] = (fn(1)[0].float() - alone.float()).abs().max().item()
     print(f"{op}: max |row in batch - row alone| by batch size {diffs}")
     assert all(d == 0 for d in diffs.values()), diffs
+
+
+def _stdlib_texts(n, seed):
+    """n slices of 40 to 1500 characters of Python's standard library sources."""
+    import random
+
+    rng = random.Random(seed)
+    root = os.path.dirname(os.__file__)
+    files = sorted(f for f in os.listdir(root) if f.endswith(".py"))
+    texts = []
+    while len(texts) < n:
+        with open(os.path.join(root, rng.choice(files)), errors="replace") as f:
+            src = f.read()
+        size = rng.randint(40, 1500)
+        if len(src) > size:
+            start = rng.randrange(len(src) - size)
+            texts.append(src[start : start + size])
+    return texts
+
+
+def _runs_agree(name, want, got):
+    """The requests whose tokens differ between two runs (printed), and the count."""
+    differ = [i for i, (a, b) in enumerate(zip(want, got, strict=True)) if a.token_ids != b.token_ids]
+    print(
+        f"{name}: {len(want) - len(differ)} of {len(want)} requests give identical tokens; differ: {differ}"
+    )
+    return len(differ)
+
+
+@gpu
+@pytest.mark.parametrize("which", ["demo", "tiny"])
+def test_gpu_tokens_do_not_depend_on_batch_preemption_or_speculation(which, tiny_dir):
+    """The batch-invariance load test: 192 requests of random lengths (demo: stdlib text of 40 to 1500
+    characters; tiny: random token ids), 16 to 128 new tokens each, greedy, max_batch 64, CUDA graphs. Every
+    request gives the same tokens with --mtp 0 and --mtp 3, with a pool small enough for many preemptions
+    and with a large one, and 12 of them run alone."""
+    import random
+
+    rng = random.Random(18)
+    if which == "demo":
+        model_dir = m.DEMO_DIR
+        prompts = _stdlib_texts(192, seed=18)
+    else:
+        model_dir = tiny_dir
+        prompts = [[rng.randrange(6, 262) for _ in range(rng.randint(10, 400))] for _ in range(192)]
+    budgets = [rng.randint(16, 128) for _ in prompts]
+    small = 24 << 20 if which == "demo" else 16 << 20
+
+    def engine(mtp, pool):
+        llm = m.LLM(model_dir, device="cuda", mtp=mtp, kv_cache_bytes=pool, max_batch=64)
+        llm.cfg.eos_token_id = -1  # every request runs its whole budget: the longest, most varied batches
+        return llm
+
+    def run(llm, idx):
+        out = llm.generate([prompts[i] for i in idx], max_new_tokens=[budgets[i] for i in idx], raw=True)
+        return out, llm.stats["preemptions"]
+
+    everything = range(len(prompts))
+    plain, preempted = run(engine(0, small), everything)
+    spec, spec_preempted = run(engine(3, small), everything)
+    roomy_engine = engine(0, 2 << 30)
+    roomy, roomy_preempted = run(roomy_engine, everything)
+    print(
+        f"{which}: preemptions {preempted} (mtp 0), {spec_preempted} (mtp 3), {roomy_preempted} (2 GB pool)"
+    )
+    assert preempted >= 20 and spec_preempted >= 20 and roomy_preempted == 0
+    assert [len(r.token_ids) for r in plain] == budgets
+    differ = _runs_agree(f"{which} mtp 0 vs mtp 3", plain, spec)
+    differ += _runs_agree(f"{which} small vs large pool", plain, roomy)
+    alone = rng.sample(list(everything), 12)
+    by_itself = [run(roomy_engine, [i])[0][0] for i in alone]
+    differ += _runs_agree(f"{which} alone vs in the batch", [plain[i] for i in alone], by_itself)
+    assert differ == 0
+
+
+@gpu
+def test_gpu_full_width_logits_do_not_depend_on_the_batch(tmp_path, monkeypatch):
+    """Config.full(2) with random FP8 weights, kernels and CUDA graphs: one request's logits, bit for bit,
+    alone (bs=1), inside a batch of 16 requests of other prompts (short and long, chunked prefill), and as
+    verify rows of --mtp 3 (oracle drafts, so that runs of drafts are accepted and their rows emit)."""
+    cfg = m.Config.full(2)
+    model = random_model(cfg, "cuda")
+    model.cfg.eos_token_id = -1
+    write_byte_tokenizer(str(tmp_path), cfg.vocab_size)
+    g = torch.Generator().manual_seed(5)
+    lengths = [2300, 40, 700, 3000, 5, 1500, 90, 2049, 300, 12, 2600, 64, 1024, 450, 2100, 33]
+    prompts = [torch.randint(6, 250, (n,), generator=g).tolist() for n in lengths]
+
+    def run(mtp, ps):
+        llm = m.LLM(str(tmp_path), device="cuda", model=model, mtp=mtp, max_batch=16, kv_cache_bytes=2 << 30)
+        return llm.generate(ps, max_new_tokens=10, return_logits=True)
+
+    alone = run(0, prompts[:1])[0]
+    batch = run(0, prompts)
+    oracle_drafts(monkeypatch, [r.token_ids for r in batch])
+    verify = run(3, prompts[:1])[0]
+    verify_batch = run(3, prompts)
+    for name, got in dict(batch=batch[0], verify=verify, verify_batch=verify_batch[0]).items():
+        diff = (got.logits - alone.logits).abs().max().item()
+        print(
+            f"full width, request 0: alone vs {name}: tokens equal {got.token_ids == alone.token_ids}, "
+            f"max logit difference {diff}, accepted {got.accept_lengths}"
+        )
+        assert got.token_ids == alone.token_ids and torch.equal(got.logits, alone.logits), name
+    assert max(verify.accept_lengths) > 1  # rows past the first emitted
 
 
 @gpu
@@ -1362,10 +1477,10 @@ def _sparse_case(B, rows, ctx, gen, K=2048, H=128, C=512):
     ],
 )
 def test_gpu_sparse_mla_kernel_matches_reference(B, rows, ctx, tiny):
-    """flashinfer FA3 sparse MLA rows vs the fp32 reference at real shapes (128 heads, 512 + 64, top-k 2048),
-    rows of different lengths in one call; one plan serves two 'layers' with different selections (plan once
-    per step). Bound 1e-2 relative (Frobenius): q and the output are rounded to bf16 (2^-9 each), softmax and
-    sums stay fp32."""
+    """The Triton sparse MLA rows vs the fp32 reference at real shapes (128 heads, 512 + 64, top-k 2048), rows
+    of different lengths in one call (selections split into several chunks and merged), two 'layers' with
+    different selections over one Meta. Bound 1e-2 relative (Frobenius): q, p and the output are rounded to
+    bf16 (2^-9 each), softmax and sums stay fp32."""
     import kernels
 
     gen = torch.Generator("cuda").manual_seed(B * 7 + rows)
@@ -1373,7 +1488,6 @@ def test_gpu_sparse_mla_kernel_matches_reference(B, rows, ctx, tiny):
     meta, cache, q_abs, q_pe, selection = _sparse_case(
         B, rows, ctx, gen, cfg.index_topk, cfg.n_heads, cfg.kv_lora_rank
     )
-    meta.plan = kernels.plan(meta, cfg)
     for layer in range(2):
         slots = selection()
         got = kernels.sparse_mla(q_abs, q_pe, cache, slots, meta, cfg.softmax_scale).float()
