@@ -369,7 +369,7 @@ def act_quant(x):
 
 
 @triton.jit
-def _fp8_gemm_kernel(
+def _gemm_kernel(
     a_ptr,
     as_ptr,
     rows_ptr,
@@ -380,6 +380,7 @@ def _fp8_gemm_kernel(
     M,
     N,
     K,
+    SCALED: tl.constexpr,
     GATHER: tl.constexpr,
     GROUPED: tl.constexpr,
     SPLIT_K: tl.constexpr,
@@ -387,14 +388,15 @@ def _fp8_gemm_kernel(
     BLOCK_N: tl.constexpr,
 ):
     """C[m, n] = sum over 128-wide k blocks of (A8[m, kb] . B8[n, kb]) * sa[m, kb] * sb[n // 128, kb], fp32.
-    GATHER: row m of A is rows[m] (-1: a padding row). GROUPED: this block of M rows belongs to expert
-    experts[pid_m] (-1: none) and reads that expert's B. SPLIT_K > 1: program k sums the k blocks k, k +
-    SPLIT_K, ... into its own [M, N] slice of C (_sum_splits_kernel adds the slices in order)."""
+    SCALED=False: bf16 A and B without scales, C = A . B^T in fp32. GATHER: row m of A is rows[m] (-1: a
+    padding row). GROUPED: this block of M rows belongs to expert experts[pid_m] (-1: none) and reads that
+    expert's B. SPLIT_K > 1: program k sums the k blocks k, k + SPLIT_K, ... into its own [M, N] slice of C
+    (_sum_splits_kernel adds the slices in order)."""
     pid_m, pid_n, pid_k = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     kc = tl.arange(0, 128)
-    KB = K // 128
+    KB = tl.cdiv(K, 128)
     valid_m = offs_m < M
     rows = offs_m.to(tl.int64)
     if GATHER:
@@ -411,15 +413,17 @@ def _fp8_gemm_kernel(
     valid_n = offs_n < N
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for kb in range(pid_k, n_kb, SPLIT_K):
-        a = tl.load(a_ptr + rows[:, None] * K + kb * 128 + kc[None, :], mask=valid_m[:, None], other=0.0)
-        b = tl.load(
-            b_ptr + offs_n[:, None].to(tl.int64) * K + kb * 128 + kc[None, :],
-            mask=valid_n[:, None],
-            other=0.0,
-        )
-        sa = tl.load(as_ptr + rows * KB + kb, mask=valid_m, other=0.0)
-        sb = tl.load(bs_ptr + (offs_n // 128) * KB + kb, mask=valid_n, other=0.0)
-        acc += tl.dot(a, tl.trans(b)) * sa[:, None] * sb[None, :]
+        k_ok = kb * 128 + kc < K
+        a_mask = valid_m[:, None] & k_ok[None, :]
+        a = tl.load(a_ptr + rows[:, None] * K + kb * 128 + kc[None, :], mask=a_mask, other=0.0)
+        b_mask = valid_n[:, None] & k_ok[None, :]
+        b = tl.load(b_ptr + offs_n[:, None].to(tl.int64) * K + kb * 128 + kc[None, :], mask=b_mask, other=0.0)
+        if SCALED:
+            sa = tl.load(as_ptr + rows * KB + kb, mask=valid_m, other=0.0)
+            sb = tl.load(bs_ptr + (offs_n // 128) * KB + kb, mask=valid_n, other=0.0)
+            acc += tl.dot(a, tl.trans(b)) * sa[:, None] * sb[None, :]
+        else:
+            acc = tl.dot(a, tl.trans(b), acc)
     c = c_ptr + pid_k.to(tl.int64) * M * N + offs_m[:, None].to(tl.int64) * N + offs_n[None, :]
     mask = (offs_m < M)[:, None] & valid_n[None, :]
     tl.store(c, acc.to(c_ptr.dtype.element_ty), mask=mask)
@@ -451,7 +455,7 @@ def gemm_split(N, K):
 def _gemm(a, sa, b, sb, M, N, rows=None, experts=None, out_dtype=BF16):
     """A8 [*, K] (rows picked by `rows` if given), B8 [N, K] or [E, N, K] (with `experts` per block of
     GEMM_BLOCK_M rows) -> C [M, N] out_dtype, fp32 accumulation of each 128-block product times its two
-    scales, in an order fixed by the weight's shape."""
+    scales, in an order fixed by the weight's shape. sa = sb = None: bf16 A and B, no scales."""
     K = b.shape[-1]
     split = gemm_split(N, K) if experts is None else 1
     c = torch.empty(M, N, device=a.device, dtype=out_dtype)
@@ -462,9 +466,12 @@ def _gemm(a, sa, b, sb, M, N, rows=None, experts=None, out_dtype=BF16):
             out = c[m0 : m0 + m]
         else:
             out = torch.empty(split, m, N, device=a.device, dtype=torch.float32)
-        _fp8_gemm_kernel[(triton.cdiv(m, GEMM_BLOCK_M), triton.cdiv(N, GEMM_BLOCK_N), split)](
+        scales_a = None
+        if sa is not None:
+            scales_a = sa[m0:]
+        _gemm_kernel[(triton.cdiv(m, GEMM_BLOCK_M), triton.cdiv(N, GEMM_BLOCK_N), split)](
             a[m0:],  # (moe's gathered rows never split: m0 = 0)
-            sa[m0:],
+            scales_a,
             rows,
             b,
             sb,
@@ -473,6 +480,7 @@ def _gemm(a, sa, b, sb, M, N, rows=None, experts=None, out_dtype=BF16):
             m,
             N,
             K,
+            SCALED=sa is not None,
             GATHER=rows is not None,
             GROUPED=experts is not None,
             SPLIT_K=split,
@@ -553,10 +561,14 @@ def moe(x, weights, idx, w13, s13, w2, s2):
 
 
 def dense_linear(x, w):
-    """Kernel of nano_nsa.dense_linear: bf16 weight (lm_head, weights_proj, eh_proj; exact copies of the
-    checkpoint's bf16), fp32 accumulation and output: half the bytes of the reference's fp32 upcast."""
-    x2 = x.reshape(-1, x.shape[-1]).to(BF16)
-    return torch.mm(x2, w.t(), out_dtype=torch.float32).view(*x.shape[:-1], w.shape[0])
+    """Kernel of nano_nsa.dense_linear: bf16 weight (lm_head, weights_proj, eh_proj, the router; exact copies
+    of the checkpoint's bf16), fp32 accumulation and output (half the bytes of the reference's fp32 upcast),
+    through the GEMM above, whose sum order is fixed by the weight's shape. (cuBLAS picks its algorithm, and
+    with it the sum order, by the number of rows: measured different bits from 16 rows for eh_proj and from
+    2 rows for the router's fp32 product.)"""
+    x2 = x.reshape(-1, x.shape[-1]).to(BF16).contiguous()
+    y = _gemm(x2, None, w, None, x2.shape[0], w.shape[0], out_dtype=torch.float32)
+    return y.view(*x.shape[:-1], w.shape[0])
 
 
 # ------------------------------------------------------------------------------------------------------------

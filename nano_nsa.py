@@ -902,6 +902,8 @@ class Gate(nn.Module):
     """Sigmoid scores; the bias only steers selection: top groups by the sum of their top-2 biased scores,
     then top-A experts inside them; weights are the unbiased scores, renormalized, times route_scale."""
 
+    ops = None  # bound once by Transformer.bind (its product is a dense_linear)
+
     def __init__(self, cfg: Config):
         super().__init__()
         self.cfg = cfg
@@ -911,7 +913,7 @@ class Gate(nn.Module):
     def forward(self, x):
         """-> (routing weights [T, A] fp32, expert indices [T, A])."""
         cfg, T = self.cfg, x.shape[0]
-        scores = F.linear(x.float(), self.weight.float()).sigmoid()  # [T, E] fp32
+        scores = self.ops.dense_linear(x, self.weight).sigmoid()  # [T, E] fp32 (bf16 x and weight: exact)
         biased = (scores + self.bias).view(T, cfg.n_expert_groups, -1)  # [T, G, E/G]
         group_score = biased.topk(2, dim=-1).values.sum(-1)  # [T, G]
         keep = group_score.topk(cfg.n_limited_groups, dim=-1).indices  # the kept groups

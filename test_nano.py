@@ -1334,7 +1334,6 @@ def test_gpu_full_width_logits_do_not_depend_on_the_batch(tmp_path, monkeypatch)
     verify rows of --mtp 3 (oracle drafts, so that runs of drafts are accepted and their rows emit)."""
     cfg = m.Config.full(2)
     model = random_model(cfg, "cuda")
-    model.cfg.eos_token_id = -1
     write_byte_tokenizer(str(tmp_path), cfg.vocab_size)
     g = torch.Generator().manual_seed(5)
     lengths = [2300, 40, 700, 3000, 5, 1500, 90, 2049, 300, 12, 2600, 64, 1024, 450, 2100, 33]
@@ -1342,7 +1341,12 @@ def test_gpu_full_width_logits_do_not_depend_on_the_batch(tmp_path, monkeypatch)
 
     def run(mtp, ps):
         llm = m.LLM(str(tmp_path), device="cuda", model=model, mtp=mtp, max_batch=16, kv_cache_bytes=2 << 30)
-        return llm.generate(ps, max_new_tokens=10, return_logits=True)
+        eos = cfg.eos_token_id
+        cfg.eos_token_id = -1  # random weights: no request may end early
+        try:
+            return llm.generate(ps, max_new_tokens=10, return_logits=True)
+        finally:
+            cfg.eos_token_id = eos
 
     alone = run(0, prompts[:1])[0]
     batch = run(0, prompts)
