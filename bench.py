@@ -122,7 +122,12 @@ def step_bytes(cfg, layers, bs, rows, ctx, experts):
     seen = iter(experts)
     for layer in layers:
         attn, ffn = layer.attn, layer.ffn
-        total += nbytes(attn) - nbytes(attn.wkv_b) + attn.wkv_b_abs.numel() * 2 + bs * (latent + index_keys)
+        total += (
+            nbytes(attn)
+            - nbytes(attn.wkv_b)
+            + (attn.w_uk.numel() + attn.w_uv.numel()) * 2
+            + bs * (latent + index_keys)
+        )
         if isinstance(ffn, m.MoE):
             expert = nbytes(ffn.experts) // cfg.n_routed_experts
             total += nbytes(ffn.gate, ffn.shared_experts) + expert * next(seen)

@@ -10,7 +10,8 @@ the set `nano_nsa.select_ops` binds on a GPU that `unsupported()` accepts.
   dense_attention causal per-head attention of short prompt chunks (torch SDPA)
   fp8_linear      Triton act-quant (1x128, pow2 scales) + block-scaled FP8 GEMM (split-K by weight shape)
   moe             routed experts: GPU-side sort by expert, two grouped FP8 GEMMs, ordered combine; no sync
-  dense_linear    bf16 weights with fp32 accumulation (lm_head, weights_proj, eh_proj)
+  dense_linear    bf16 weights with fp32 accumulation (lm_head, weights_proj, eh_proj, router): Triton GEMM
+  head_linear     a linear map per head (MLA's absorbed W_UK, W_UV): the grouped Triton GEMM
 
 Batch invariance: a row's result never depends on the other rows of its batch (docs/batch_invariance.md):
 tile shapes and split-K come from the weight's shape, attention splits from the row's own selection, and every
@@ -409,7 +410,8 @@ def _gemm_kernel(
         n_kb = tl.where(e >= 0, KB, 0)
         e = tl.maximum(e, 0).to(tl.int64)
         b_ptr += e * N * K
-        bs_ptr += e * ((N + 127) // 128) * KB
+        if SCALED:
+            bs_ptr += e * ((N + 127) // 128) * KB
     valid_n = offs_n < N
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for kb in range(pid_k, n_kb, SPLIT_K):
@@ -571,6 +573,21 @@ def dense_linear(x, w):
     return y.view(*x.shape[:-1], w.shape[0])
 
 
+def head_linear(x, w):
+    """Kernel of nano_nsa.head_linear (MLA's absorbed W_UK, W_UV): x [T, H, K] times each head's w [H, N, K]
+    -> [T, H, N] bf16, as the grouped GEMM of the MoE with heads for experts (rows h * T' + t of head h, T'
+    = T rounded up to a tile), so its sum order is fixed by the weight's shape. (cuBLAS's batched GEMM picks
+    its algorithm by T.)"""
+    T, H, K = x.shape
+    N = w.shape[1]
+    Tp = triton.cdiv(T, GEMM_BLOCK_M) * GEMM_BLOCK_M
+    t = torch.arange(Tp, device=x.device)
+    rows = torch.where(t < T, t * H + torch.arange(H, device=x.device)[:, None], -1).flatten()  # [H * Tp]
+    heads = torch.arange(H, device=x.device, dtype=torch.int32).repeat_interleave(Tp // GEMM_BLOCK_M)
+    y = _gemm(x.to(BF16).reshape(T * H, K).contiguous(), None, w, None, H * Tp, N, rows=rows, experts=heads)
+    return y.view(H, Tp, N)[:, :T].transpose(0, 1)
+
+
 # ------------------------------------------------------------------------------------------------------------
 # The kernel set: the same names and signatures as nano_nsa.TORCH_OPS
 # ------------------------------------------------------------------------------------------------------------
@@ -581,11 +598,12 @@ def bf16_dtype(w):
 
 
 GPU_OPS = SimpleNamespace(
-    name="kernels.py (flashinfer sparse MLA, Triton indexer / FP8 GEMM / MoE, SDPA prefill)",
+    name="kernels.py (Triton sparse MLA, indexer, FP8 / bf16 GEMMs and MoE; SDPA prefill)",
     index_quant=index_quant,
     index_topk=index_topk,
     sparse_mla=sparse_mla,
     dense_attention=dense_attention,
+    head_linear=head_linear,
     fp8_linear=fp8_linear,
     dense_linear=dense_linear,
     moe=moe,

@@ -815,9 +815,17 @@ def dense_attention(q, k, v, scale):
     return torch.einsum("hsn,nhv->shv", scores.masked_fill(future, float("-inf")).softmax(-1), v)
 
 
+def head_linear(x, w):
+    """One linear map per head (MLA's absorbed W_UK and W_UV): x [T, H, K], w [H, N, K] -> [T, H, N] in w's
+    dtype (the reference of the kernel's fixed-order GEMM)."""
+    return torch.einsum("thk,hnk->thn", x.to(w.dtype), w)
+
+
 class MLA(nn.Module):
     ops = None  # bound once by Transformer.bind, as Indexer.ops
-    wkv_b_abs = None  # [H, D + V, C] wkv_b dequantized once at bind: W_UK | W_UV (exact in bf16)
+    # wkv_b dequantized once at bind (exact in bf16), split per head: fp32/fp64 (torch path), bf16 (kernels)
+    w_uk = None  # [H, C, D] W_UK, transposed: q_nope -> latent space
+    w_uv = None  # [H, V, C] W_UV: latent -> values
 
     def __init__(self, cfg: Config):
         super().__init__()
@@ -856,31 +864,31 @@ class MLA(nn.Module):
     def attend_sparse(self, q_nope, q_pe, selected, meta, cache):
         """Absorbed form: q_nope moves into the latent space through W_UK, attention runs over the selected
         latents, and W_UV maps the result back to per-head values: [T, H, V]."""
-        w, D = self.wkv_b_abs, self.cfg.qk_nope_head_dim  # fp32/fp64 (torch path) or bf16 (kernels)
-        q_abs = torch.einsum("thd,hdc->thc", q_nope.to(w.dtype), w[:, :D])  # absorb W_UK: [T, H, C]
+        q_abs = self.ops.head_linear(q_nope, self.w_uk)  # absorb W_UK: [T, H, C]
         slots = meta.table[meta.row_req[:, None], selected.clamp(min=0)]
         slots = torch.where(selected >= 0, slots, -1)  # [T, K'] KV-pool slots
         o_lat = self.ops.sparse_mla(q_abs, q_pe, cache, slots, meta, self.cfg.softmax_scale)
-        return torch.einsum("thc,hvc->thv", o_lat.to(w.dtype), w[:, D:])  # absorb W_UV: [T, H, V]
+        return self.ops.head_linear(o_lat, self.w_uv)  # absorb W_UV: [T, H, V]
 
     def attend_chunks(self, q_nope, q_pe, meta, cache):
         """Each request's prompt chunk against its causal context, in the per-head form."""
         out = []
         for b, rows in enumerate(meta.request_rows()):
             ctx = meta.table[b, : int(meta.ctx_host[rows][-1])]  # [N] slots
-            out.append(self.attend_dense(q_nope[rows], q_pe[rows], self.wkv_b_abs, ctx, cache))
+            out.append(self.attend_dense(q_nope[rows], q_pe[rows], ctx, cache))
         return torch.cat(out)
 
-    def attend_dense(self, q_nope, q_pe, w, ctx, cache):
+    def attend_dense(self, q_nope, q_pe, ctx, cache):
         """Prefill ("MHA") form for one request's rows: expand the context's latents to per-head
         keys/values."""
-        D = self.cfg.qk_nope_head_dim
-        kvf = torch.einsum("nc,hec->nhe", cache.kv[ctx].to(w.dtype), w)  # [N, H, D + V]
-        # [N, H, R]: shared by heads
-        k_pe = cache.pe[ctx].to(w.dtype)[:, None, :].expand(-1, kvf.shape[1], -1)
-        k = torch.cat([kvf[..., :D], k_pe], -1)
-        q = torch.cat([q_nope, q_pe], -1).to(w.dtype)
-        return self.ops.dense_attention(q, k, kvf[..., D:], self.cfg.softmax_scale)  # [S, H, V]
+        dtype = self.w_uk.dtype
+        kv = cache.kv[ctx].to(dtype)  # [N, C]
+        k_nope = torch.einsum("nc,hcd->nhd", kv, self.w_uk)  # [N, H, D]
+        v = torch.einsum("nc,hvc->nhv", kv, self.w_uv)  # [N, H, V]
+        k_pe = cache.pe[ctx].to(dtype)[:, None, :].expand(-1, k_nope.shape[1], -1)  # [N, H, R]: shared
+        k = torch.cat([k_nope, k_pe], -1)
+        q = torch.cat([q_nope, q_pe], -1).to(dtype)
+        return self.ops.dense_attention(q, k, v, self.cfg.softmax_scale)  # [S, H, V]
 
 
 # ---- Feed-forward: SwiGLU MLP and the sigmoid-routed, group-limited MoE (spec 3.4, 3.9) --------------------
@@ -1039,9 +1047,10 @@ class Transformer(nn.Module):
                 mod.weight.data = mod.weight.data.to(ops.dense_dtype(mod.weight))
             if isinstance(mod, MLA):  # wkv_b dequantized once, split per head into W_UK | W_UV
                 w = weight_dequant(mod.wkv_b.weight, mod.wkv_b.scale).to(ops.attn_dtype(mod.wkv_b.weight))
-                mod.wkv_b_abs = w.view(
-                    -1, mod.cfg.qk_nope_head_dim + mod.cfg.v_head_dim, mod.cfg.kv_lora_rank
-                )
+                D = mod.cfg.qk_nope_head_dim
+                w = w.view(-1, D + mod.cfg.v_head_dim, mod.cfg.kv_lora_rank)  # [H, D + V, C]
+                mod.w_uk = w[:, :D].transpose(1, 2).contiguous()
+                mod.w_uv = w[:, D:].contiguous()
         return self
 
     @torch.inference_mode()
@@ -1095,6 +1104,7 @@ TORCH_OPS = SimpleNamespace(
     index_topk=index_topk,  # indexer scores + causal mask + top-k            (Indexer)
     sparse_mla=sparse_mla,  # absorbed sparse attention, one row per token   (MLA: decode/verify/long)
     dense_attention=dense_attention,  # causal per-head attention of short prompts  (MLA: prefill)
+    head_linear=head_linear,  # one linear map per head: W_UK, W_UV absorbed  (MLA: sparse rows)
     fp8_linear=fp8_linear,  # act-quant + block-scaled FP8 GEMM                (Linear)
     dense_linear=dense_linear,  # bf16/fp32 weights: lm_head, weights_proj, eh_proj (Linear)
     moe=moe_experts,  # routed experts, grouped, weighted sum               (MoE)

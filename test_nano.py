@@ -1191,17 +1191,18 @@ def _batch_op(op, batch, gen):
         w = weight(n_out, k)
         x = rows(k)
         return lambda n: kernels.dense_linear(x[:n], w)
-    if op == "gate":  # Gate.forward's fp32 router scores
+    if op == "gate":  # the router's scores (Gate.forward)
         w = weight(256, 7168)
         x = rows(7168)
-        return lambda n: F.linear(x[:n].float(), w.float())
-    if op in ("absorb_q", "absorb_o"):  # MLA.attend_sparse's W_UK / W_UV products (bf16 on the GPU)
-        w = weight(128, 256, 512, scale=0.05)
+        return lambda n: kernels.dense_linear(x[:n], w)
+    if op in ("absorb_q", "absorb_o"):  # MLA.attend_sparse's W_UK / W_UV products
+        w_uk = weight(128, 512, 128, scale=0.05)
+        w_uv = weight(128, 128, 512, scale=0.05)
         if op == "absorb_q":
             q = rows(128, 128)
-            return lambda n: torch.einsum("thd,hdc->thc", q[:n], w[:, :128])
+            return lambda n: kernels.head_linear(q[:n], w_uk)
         o = rows(128, 512)
-        return lambda n: torch.einsum("thc,hvc->thv", o[:n], w[:, 128:])
+        return lambda n: kernels.head_linear(o[:n], w_uv)
     if op == "moe":
         w13, s13 = _random_fp8(256 * 4096, 7168, gen)
         w2, s2 = _random_fp8(256 * 7168, 2048, gen)
@@ -1241,14 +1242,13 @@ BATCH_OPS += ["absorb_q", "absorb_o", "moe", "index_topk", "sparse_mla"]
 def test_gpu_op_row_does_not_depend_on_batch(op):
     """Batch invariance, op by op at full-width shapes, every op a decode or verify row goes through: a row's
     output computed alone equals, bit for bit, the same row computed inside batches of 2 to 256 rows of other
-    inputs (run twice: no run-to-run nondeterminism either)."""
+    inputs, and as one of a prefill chunk's 1024 rows (run twice: no run-to-run nondeterminism either)."""
     gen = torch.Generator("cuda").manual_seed(BATCH_OPS.index(op))
-    sizes = (2, 3, 4, 5, 16, 64, 256)
-    fn = _batch_op(op, 256 if op != "moe" else 64, gen)
+    biggest = 64 if op == "moe" else 1024
+    sizes = [n for n in (2, 3, 4, 5, 16, 64, 256, 1024) if n <= biggest]
+    fn = _batch_op(op, biggest, gen)
     alone = fn(1)[0]
-    diffs = {
-        n: (fn(n)[0].float() - alone.float()).abs().max().item() for n in sizes if n <= 64 or op != "moe"
-    }
+    diffs = {n: (fn(n)[0].float() - alone.float()).abs().max().item() for n in sizes}
     diffs["again"] = (fn(1)[0].float() - alone.float()).abs().max().item()
     print(f"{op}: max |row in batch - row alone| by batch size {diffs}")
     assert all(d == 0 for d in diffs.values()), diffs
@@ -2098,6 +2098,24 @@ def test_gpu_dense_linear_matches_reference(M, N, K):
     got, want = kernels.dense_linear(x, w), m.dense_linear(x, w)
     assert got.dtype == torch.float32 and got.shape == (M, N)
     assert ((got - want).norm() / want.norm()).item() < 1e-5
+
+
+@gpu
+@pytest.mark.parametrize(
+    "H,K,N", [(128, 128, 512), (128, 512, 128), (16, 128, 512), (8, 64, 256), (4, 256, 32)]
+)
+@pytest.mark.parametrize("T", [1, 4, 65, 300])
+def test_gpu_head_linear_matches_reference(T, H, K, N):
+    """The grouped Triton GEMM with one weight per head vs the reference einsum at W_UK / W_UV shapes (full
+    width, 8 ranks, the demo, the tiny model): bf16 out, fp32 sums (bound 1e-2 relative: the bf16
+    rounding)."""
+    import kernels
+
+    gen = torch.Generator("cuda").manual_seed(T + H + K + N)
+    x = torch.randn(T, H, K, generator=gen, device="cuda").to(m.BF16)
+    w = (torch.randn(H, N, K, generator=gen, device="cuda") * 0.05).to(m.BF16)
+    got, want = kernels.head_linear(x, w).float(), m.head_linear(x.float(), w.float())
+    assert got.shape == (T, H, N) and ((got - want).norm() / want.norm()).item() < 1e-2
 
 
 @pytest.fixture(scope="module")
