@@ -102,16 +102,17 @@ _SYLVESTER = {}  # (n, device): the n x n +-1 Sylvester-Hadamard matrix
 
 
 def index_quant(x):
-    """Kernel of nano_nsa.index_quant: the Hadamard transform as one fp32 GEMM with the +-1 Sylvester matrix
-    (the reference's 7-stage butterfly is ~30 small kernels), scaled and rounded to bf16 as the reference,
-    then the Triton act-quant."""
+    """Kernel of nano_nsa.index_quant: the Hadamard transform as one GEMM with the +-1 Sylvester matrix (the
+    reference's 7-stage butterfly is ~30 small kernels) through dense_linear (bf16 x and +-1 entries: exact
+    products, fp32 sums in an order fixed by the shape; cuBLAS's fp32 GEMM changed its bits with the number
+    of rows), scaled and rounded to bf16 as the reference, then the Triton act-quant."""
     n = x.shape[-1]
     if (n, x.device) not in _SYLVESTER:  # built at the first (eager) call, before any graph capture
         h = torch.ones(1, 1)
         while h.shape[0] < n:
             h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)])
-        _SYLVESTER[n, x.device] = h.to(x.device)
-    return act_quant(((x.float() @ _SYLVESTER[n, x.device]) * n**-0.5).to(BF16))
+        _SYLVESTER[n, x.device] = h.to(device=x.device, dtype=BF16)  # symmetric: x @ H = x @ H^T
+    return act_quant((dense_linear(x, _SYLVESTER[n, x.device]) * n**-0.5).to(BF16))
 
 
 def index_topk(q8, head_weights, cache, meta, topk):

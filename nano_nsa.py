@@ -906,6 +906,12 @@ class MLP(nn.Module):
         return self.w2((F.silu(self.w1(x).float()) * self.w3(x).float()).to(BF16))
 
 
+def top_indices(x, k):
+    """Indices of the k largest values along the last dim, ties to the lowest index, whatever the batch
+    (torch.topk breaks ties in an order that may change with the batch shape)."""
+    return x.sort(dim=-1, descending=True, stable=True).indices[..., :k]
+
+
 class Gate(nn.Module):
     """Sigmoid scores; the bias only steers selection: top groups by the sum of their top-2 biased scores,
     then top-A experts inside them; weights are the unbiased scores, renormalized, times route_scale."""
@@ -924,10 +930,10 @@ class Gate(nn.Module):
         scores = self.ops.dense_linear(x, self.weight).sigmoid()  # [T, E] fp32 (bf16 x and weight: exact)
         biased = (scores + self.bias).view(T, cfg.n_expert_groups, -1)  # [T, G, E/G]
         group_score = biased.topk(2, dim=-1).values.sum(-1)  # [T, G]
-        keep = group_score.topk(cfg.n_limited_groups, dim=-1).indices  # the kept groups
+        keep = top_indices(group_score, cfg.n_limited_groups)  # the kept groups
         drop = torch.ones_like(group_score, dtype=torch.bool).scatter_(1, keep, False)
         biased = biased.masked_fill(drop[..., None], float("-inf")).flatten(1)
-        experts = biased.topk(cfg.n_activated_experts, -1).indices  # [T, A]
+        experts = top_indices(biased, cfg.n_activated_experts)  # [T, A]
         weights = scores.gather(1, experts)
         return weights / weights.sum(-1, keepdim=True) * cfg.route_scale, experts
 

@@ -1167,8 +1167,8 @@ def _batch_op(op, batch, gen):
     if op == "act_quant":
         x = rows(7168)
         return lambda n: torch.cat([t.float().flatten(1) for t in kernels.act_quant(x[:n])], 1)
-    if op == "index_quant":
-        x = rows(64, 128)
+    if op in ("index_quant_q", "index_quant_k"):  # the indexer's queries (64 heads) and keys (one)
+        x = rows(64, 128) if op == "index_quant_q" else rows(128)
         return lambda n: torch.cat([t.float().flatten(1) for t in kernels.index_quant(x[:n])], 1)
     if op in ("rmsnorm", "rmsnorm_q"):
         dim = 7168 if op == "rmsnorm" else 1536
@@ -1231,7 +1231,7 @@ def _batch_op(op, batch, gen):
     return lambda n: kernels.sparse_mla(q_abs[:n], q_pe[:n], cache, slots[:n], meta_for(n), cfg.softmax_scale)
 
 
-BATCH_OPS = ["act_quant", "index_quant", "rmsnorm", "rmsnorm_q", "layernorm"]
+BATCH_OPS = ["act_quant", "index_quant_q", "index_quant_k", "rmsnorm", "rmsnorm_q", "layernorm"]
 BATCH_OPS += ["fp8_linear_wq_a", "fp8_linear_wkv_a", "fp8_linear_wo"]
 BATCH_OPS += ["dense_linear_head", "dense_linear_weights_proj", "dense_linear_eh_proj", "gate"]
 BATCH_OPS += ["absorb_q", "absorb_o", "moe", "index_topk", "sparse_mla"]
