@@ -12,6 +12,7 @@ the set `nano_nsa.select_ops` binds on a GPU that `unsupported()` accepts.
   moe             routed experts: GPU-side sort by expert, two grouped FP8 GEMMs, ordered combine; no sync
   dense_linear    bf16 weights with fp32 accumulation (lm_head, weights_proj, eh_proj, router): Triton GEMM
   head_linear     a linear map per head (MLA's absorbed W_UK, W_UV): the grouped Triton GEMM
+  rms_norm        RMSNorm (with the residual add): Triton, one program per row
 
 Batch invariance: a row's result never depends on the other rows of its batch (docs/batch_invariance.md):
 tile shapes and split-K come from the weight's shape, attention splits from the row's own selection, and every
@@ -589,6 +590,48 @@ def head_linear(x, w):
     return y.view(H, Tp, N)[:, :T].transpose(0, 1)
 
 
+@triton.jit
+def _rms_norm_kernel(
+    x_ptr, r_ptr, w_ptr, y_ptr, res_ptr, x_stride, D, eps, RES: tl.constexpr, BLOCK: tl.constexpr
+):
+    """One row: (x + r) in fp32, its mean square summed in one fixed order, y = w * x / rms (bf16)."""
+    row = tl.program_id(0).to(tl.int64)
+    d = tl.arange(0, BLOCK)
+    mask = d < D
+    x = tl.load(x_ptr + row * x_stride + d, mask=mask, other=0.0).to(tl.float32)
+    if RES:
+        x += tl.load(r_ptr + row * D + d, mask=mask, other=0.0).to(tl.float32)
+        tl.store(res_ptr + row * D + d, x.to(tl.bfloat16), mask=mask)
+    inv = tl.rsqrt(tl.sum(x * x, 0) / D + eps)
+    w = tl.load(w_ptr + d, mask=mask, other=0.0)
+    tl.store(y_ptr + row * D + d, (w * (x * inv)).to(tl.bfloat16), mask=mask)
+
+
+def rms_norm(x, residual, weight, eps):
+    """Kernel of nano_nsa.rms_norm: one program per row, so a row's sum never depends on the number of
+    rows."""
+    D = x.shape[-1]
+    x2 = x.reshape(-1, D)
+    if x2.stride(-1) != 1:
+        x2 = x2.contiguous()
+    T = x2.shape[0]
+    y = torch.empty(T, D, dtype=BF16, device=x.device)
+    res = None
+    r2 = None
+    if residual is not None:
+        r2 = residual.reshape(-1, D).contiguous()
+        res = torch.empty(T, D, dtype=BF16, device=x.device)
+    if T:
+        BLOCK = triton.next_power_of_2(D)
+        _rms_norm_kernel[(T,)](
+            x2, r2, weight, y, res, x2.stride(0), D, eps, RES=residual is not None, BLOCK=BLOCK, num_warps=8
+        )
+    y = y.view(*x.shape[:-1], D)
+    if residual is None:
+        return y
+    return y, res.view(*x.shape[:-1], D)
+
+
 # ------------------------------------------------------------------------------------------------------------
 # The kernel set: the same names and signatures as nano_nsa.TORCH_OPS
 # ------------------------------------------------------------------------------------------------------------
@@ -605,6 +648,7 @@ GPU_OPS = SimpleNamespace(
     sparse_mla=sparse_mla,
     dense_attention=dense_attention,
     head_linear=head_linear,
+    rms_norm=rms_norm,
     fp8_linear=fp8_linear,
     dense_linear=dense_linear,
     moe=moe,

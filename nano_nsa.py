@@ -536,9 +536,21 @@ class Linear(nn.Module):
         return self.ops.fp8_linear(x, self.weight, self.scale, self.partial)
 
 
+def rms_norm(x, residual, weight, eps):
+    """RMSNorm in fp32 with an fp32 weight, bf16 out. With `residual`: adds it first (fp32), and also returns
+    the new residual stream rounded to bf16, as the reference's fused form. (The kernel's reference: torch
+    splits a row's mean over more threads when there are fewer rows, so its bits depend on the batch.)"""
+    x = x.float()
+    if residual is not None:
+        x = x + residual.float()
+    y = (weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps))).to(BF16)
+    if residual is None:
+        return y
+    return y, x.to(BF16)
+
+
 class RMSNorm(nn.Module):
-    """RMSNorm in fp32 with an fp32 weight. With `residual`: adds it first (fp32), and returns the new
-    residual stream rounded to bf16, as the reference's fused form."""
+    ops = None  # bound once by Transformer.bind (rms_norm)
 
     def __init__(self, dim, eps):
         super().__init__()
@@ -546,13 +558,7 @@ class RMSNorm(nn.Module):
         self.weight = param(dim, dtype=torch.float32)
 
     def forward(self, x, residual=None):
-        x = x.float()
-        if residual is not None:
-            x = x + residual.float()
-        y = (self.weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps))).to(BF16)
-        if residual is None:
-            return y
-        return y, x.to(BF16)
+        return self.ops.rms_norm(x, residual, self.weight, self.eps)
 
 
 class Embedding(nn.Module):
@@ -1111,6 +1117,7 @@ TORCH_OPS = SimpleNamespace(
     sparse_mla=sparse_mla,  # absorbed sparse attention, one row per token   (MLA: decode/verify/long)
     dense_attention=dense_attention,  # causal per-head attention of short prompts  (MLA: prefill)
     head_linear=head_linear,  # one linear map per head: W_UK, W_UV absorbed  (MLA: sparse rows)
+    rms_norm=rms_norm,  # RMSNorm, with the residual add fused                   (RMSNorm)
     fp8_linear=fp8_linear,  # act-quant + block-scaled FP8 GEMM                (Linear)
     dense_linear=dense_linear,  # bf16/fp32 weights: lm_head, weights_proj, eh_proj (Linear)
     moe=moe_experts,  # routed experts, grouped, weighted sum               (MoE)

@@ -1170,12 +1170,12 @@ def _batch_op(op, batch, gen):
     if op in ("index_quant_q", "index_quant_k"):  # the indexer's queries (64 heads) and keys (one)
         x = rows(64, 128) if op == "index_quant_q" else rows(128)
         return lambda n: torch.cat([t.float().flatten(1) for t in kernels.index_quant(x[:n])], 1)
-    if op in ("rmsnorm", "rmsnorm_q"):
+    if op in ("rmsnorm", "rmsnorm_q"):  # with the residual add (its fp32 sum is returned too)
         dim = 7168 if op == "rmsnorm" else 1536
-        norm = m.RMSNorm(dim, 1e-6).cuda()
-        norm.weight.data.uniform_(0.5, 1.5)
+        weight = torch.rand(dim, device="cuda", generator=gen) + 0.5
         x = rows(dim)
-        return lambda n: norm(x[:n])
+        residual = rows(dim)
+        return lambda n: torch.cat(kernels.rms_norm(x[:n], residual[:n], weight, 1e-6), 1)
     if op == "layernorm":
         norm = torch.nn.LayerNorm(128, 1e-6).cuda()
         x = rows(128).float()
@@ -2116,6 +2116,27 @@ def test_gpu_head_linear_matches_reference(T, H, K, N):
     w = (torch.randn(H, N, K, generator=gen, device="cuda") * 0.05).to(m.BF16)
     got, want = kernels.head_linear(x, w).float(), m.head_linear(x.float(), w.float())
     assert got.shape == (T, H, N) and ((got - want).norm() / want.norm()).item() < 1e-2
+
+
+@gpu
+@pytest.mark.parametrize("D", [7168, 1536, 512, 256])
+@pytest.mark.parametrize("T", [1, 5, 300])
+@pytest.mark.parametrize("with_residual", [False, True])
+def test_gpu_rms_norm_matches_reference(T, D, with_residual):
+    """The Triton RMSNorm (residual add fused) vs the reference at the model's norm widths, on a strided input
+    as MLA's kv_norm gets: the residual stream exactly, the output to bf16 rounding (fp32 sums in another
+    order)."""
+    import kernels
+
+    gen = torch.Generator("cuda").manual_seed(T + D)
+    x = torch.randn(T, D + 64, generator=gen, device="cuda").to(m.BF16)[:, :D]  # a strided view
+    residual = torch.randn(T, D, generator=gen, device="cuda").to(m.BF16) if with_residual else None
+    weight = torch.rand(D, generator=gen, device="cuda") + 0.5
+    got, want = kernels.rms_norm(x, residual, weight, 1e-6), m.rms_norm(x, residual, weight, 1e-6)
+    if with_residual:
+        assert torch.equal(got[1], want[1])
+        got, want = got[0], want[0]
+    assert got.dtype == m.BF16 and ((got.float() - want.float()).abs() <= 2**-7 * want.float().abs()).all()
 
 
 @pytest.fixture(scope="module")
