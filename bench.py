@@ -297,11 +297,12 @@ def decode_mtp(args, model, tok_dir, k, points, bw, extra):
         rows.append(row)
         if bs == 1 and ctx == points[0][1]:
             extra[f"profile_mtp{k}"] = profile_replay(replay, model.cfg.n_layers)
+    graphs = llm.graphs
     llm.runner.graphs = None  # CUDA graphs vs eager, bs=1 at the first context
     eager_ms, _ = time_rounds(llm, 1, args.contexts[0], rounds=4)
-    llm.runner.graphs = llm.graphs
+    llm.runner.graphs = graphs
     versus = dict(eager_ms=eager_ms, graphs_ms=rows[0]["round_ms"], capture_s=t_capture)
-    extra[f"eager_vs_graphs_mtp{k}"] = dict(versus, graphs=len(llm.graphs.graphs))
+    extra[f"eager_vs_graphs_mtp{k}"] = dict(versus, graphs=len(graphs.graphs))
     if k == max(args.mtp):
         big = max(args.batch)
         extra["metadata"] = metadata_cost(llm, k, big, max(c for b, c in points if b == big))
