@@ -492,6 +492,46 @@ def test_decode_token_by_token_equals_prefill(model):
         assert (got - want).abs().max() <= 1e-4 * want.abs().max(), f"step {i}"
 
 
+def _chunk_plan(targets, max_prefill_tokens=100, index_topk=150):
+    """Run the scheduler's prefill-chunk choice to the end over prompts of the given lengths: the chunks
+    (request, first position, length) of every step."""
+    from types import SimpleNamespace
+
+    sched = m.Scheduler(None, 8, max_prefill_tokens, 0, index_topk)
+    reqs = [SimpleNamespace(idx=i, prefill_target=n, num_cached=0) for i, n in enumerate(targets)]
+    steps = []
+    while any(r.num_cached < r.prefill_target for r in reqs):
+        chunks = sched.prefill_chunks([r for r in reqs if r.num_cached < r.prefill_target])
+        steps.append([(r.idx, start, n) for r, start, n in chunks])
+        for r, _, n in chunks:
+            r.num_cached += n
+    return steps
+
+
+def test_prompt_chunks_do_not_depend_on_other_requests():
+    """A prompt is cut at multiples of max_prefill_tokens whatever runs before it (a chunk that does not fit
+    waits), and no step mixes chunks within top-k (dense) with longer ones (sparse)."""
+    alone = [c for step in _chunk_plan([250]) for c in step]
+    assert alone == [(0, 0, 100), (0, 100, 100), (0, 200, 50)]
+    for others in ([30], [30, 60], [120, 5], [260]):
+        steps = _chunk_plan(others + [250])
+        last = len(others)
+        assert [(0, s, n) for step in steps for i, s, n in step if i == last] == alone, others
+        for step in steps:
+            assert sum(n for _, _, n in step) <= 100
+            assert len({s + n <= 150 for _, s, n in step}) == 1, step  # dense and sparse never together
+
+
+def test_max_new_tokens_per_prompt(tiny_dir):
+    """max_new_tokens as a list: each prompt its own budget, and the same tokens as when run by itself."""
+    llm = make_llm(tiny_dir, 1)
+    prompts = mixed_prompts(3)
+    out = llm.generate(prompts, max_new_tokens=[3, 9, 5])
+    for r, n, p in zip(out, [3, 9, 5], prompts, strict=True):
+        assert len(r.token_ids) == n or r.finish_reason == "eos"
+        assert r.token_ids == llm.generate([p], max_new_tokens=n)[0].token_ids
+
+
 def test_two_prefill_chunks_equal_one(model):
     cfg = model.cfg
     torch.manual_seed(9)
@@ -1904,6 +1944,8 @@ GENERATE_FAULTS = {  # case: (generate arguments, the message)
     "max_new_tokens_str": (dict(max_new_tokens="8"), "max_new_tokens must be an integer (got '8')"),
     "max_new_tokens_none": (dict(max_new_tokens=None), "max_new_tokens must be an integer (got None)"),
     "max_new_tokens_negative": (dict(max_new_tokens=-3), "max_new_tokens must be > 0 (got -3)"),
+    "max_new_tokens_list_length": (dict(max_new_tokens=[2, 3]), "max_new_tokens has 2 values for 1 prompts"),
+    "max_new_tokens_list_zero": (dict(max_new_tokens=[0]), "max_new_tokens must be > 0 (got 0)"),
     "seed_float": (dict(seed=1.5), "seed must be an integer (got 1.5)"),
     "seed_zero_float": (dict(seed=0.0), "seed must be an integer (got 0.0)"),
     "seed_str": (dict(seed="42"), "seed must be an integer (got '42')"),
