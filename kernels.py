@@ -652,6 +652,7 @@ GPU_OPS = SimpleNamespace(
     fp8_linear=fp8_linear,
     dense_linear=dense_linear,
     moe=moe,
+    dequantize_fp8=False,
     attn_dtype=bf16_dtype,
     dense_dtype=bf16_dtype,
 )

@@ -464,10 +464,10 @@ def act_dequant(q: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
 
 
 def per_element(scale: torch.Tensor, shape) -> torch.Tensor:
-    """Block scales [ceil(out/128), ceil(in/128)] -> one scale per weight element [out, in] (edge blocks
-    cut)."""
-    rows = scale.repeat_interleave(BLOCK, 0)[: shape[0]]
-    return rows.repeat_interleave(BLOCK, 1)[:, : shape[1]]
+    """Block scales [..., ceil(out/128), ceil(in/128)] -> one scale per weight element [..., out, in] (edge
+    blocks cut)."""
+    rows = scale.repeat_interleave(BLOCK, -2)[..., : shape[-2], :]
+    return rows.repeat_interleave(BLOCK, -1)[..., : shape[-1]]
 
 
 def weight_dequant(w: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
@@ -485,12 +485,21 @@ def acc_dtype(x: torch.Tensor):
     return torch.float32
 
 
+# The references dequantize a model's FP8 weights once, at load, when the copies (8 bytes a weight on the CPU)
+# take at most this much; a bigger model dequantizes each weight at each call (same values: FP8 times a power
+# of two is exact in fp32 and fp64). On the demo model per-call dequantizing was ~65% of the CPU's time.
+DEQUANTIZE_AT_LOAD_BYTES = 2 << 30
+
+
 def fp8_linear(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, partial=False) -> torch.Tensor:
     """y = act_quant(x) @ W^T for a block-scaled FP8 weight, bf16 out (partial: the unrounded accumulator,
     rounded after the all-reduce). Pow2 scales keep both operands exact: it equals the reference `fp8_gemm`
-    up to sum order. act_quant is never skipped: it rounds x to a 3-bit mantissa, as the reference does."""
+    up to sum order. act_quant is never skipped: it rounds x to a 3-bit mantissa, as the reference does.
+    scale None: w was dequantized at load (DEQUANTIZE_AT_LOAD_BYTES)."""
     acc = acc_dtype(x)
-    y = F.linear(act_dequant(*act_quant(x)).to(acc), weight_dequant(w, scale).to(acc))
+    if scale is not None:
+        w = weight_dequant(w, scale)
+    y = F.linear(act_dequant(*act_quant(x)).to(acc), w.to(acc))
     if partial:
         return y
     return y.to(BF16)
@@ -513,9 +522,13 @@ class Linear(nn.Module):
     all-reduces), None all of it."""
 
     ops = None  # bound once by Transformer.bind (fp8_linear / dense_linear)
+    dequantized = (
+        None  # the FP8 weight dequantized once at bind, for the references (DEQUANTIZE_AT_LOAD_BYTES)
+    )
 
     def __init__(self, in_features, out_features, fp8=True, dtype=BF16, n=None, split=None):
         super().__init__()
+        self.fp8 = fp8
         self.split = split
         self.partial = split == "row"  # output unrounded: rounded after the all-reduce
         if split == "col":
@@ -531,9 +544,16 @@ class Linear(nn.Module):
             )
 
     def forward(self, x):
-        if self.scale is None:
+        if not self.fp8:
             return self.ops.dense_linear(x, self.weight)
-        return self.ops.fp8_linear(x, self.weight, self.scale, self.partial)
+        return self.ops.fp8_linear(x, *self.fp8_operands(), self.partial)
+
+    def fp8_operands(self):
+        """(weight, scale) as the FP8 ops read them: the FP8 weight and its block scales, or the copy the
+        references dequantized at load and None."""
+        if self.dequantized is not None:
+            return self.dequantized, None
+        return self.weight, self.scale
 
 
 def rms_norm(x, residual, weight, eps):
@@ -952,10 +972,17 @@ def moe_experts(x, weights, idx, w13, s13, w2, s2):
     inter = w2.shape[2]
     for e in idx[idx < len(w13)].unique().tolist():  # expert order 0..E-1; idx E: another rank's, skipped
         tok, choice = (idx == e).nonzero(as_tuple=True)
-        h = fp8_linear(x[tok], w13[e], s13[e])  # [n, 2I] bf16
+        h = fp8_linear(x[tok], w13[e], expert_scale(s13, e))  # [n, 2I] bf16
         h = (F.silu(h[:, :inter].float()) * h[:, inter:].float()).to(BF16)
-        y[tok] += fp8_linear(h, w2[e], s2[e]).float() * weights[tok, choice, None]
+        y[tok] += fp8_linear(h, w2[e], expert_scale(s2, e)).float() * weights[tok, choice, None]
     return y
+
+
+def expert_scale(scales, e):
+    """Expert e's block scales, or None where the weights were dequantized at load."""
+    if scales is None:
+        return None
+    return scales[e]
 
 
 class MoE(nn.Module):
@@ -980,7 +1007,7 @@ class MoE(nn.Module):
         E = w13.weight.shape[0]
         first = tp_rank() * E  # this rank holds experts first .. first + E - 1
         idx = torch.where((idx >= first) & (idx < first + E), idx - first, E)  # E: another rank's, skipped
-        routed = self.ops.moe(x, weights, idx, w13.weight, w13.scale, w2.weight, w2.scale)
+        routed = self.ops.moe(x, weights, idx, *w13.fp8_operands(), *w2.fp8_operands())
         return routed + self.shared_experts(x)
 
 
@@ -1052,10 +1079,12 @@ class Transformer(nn.Module):
 
     def bind(self, ops):
         """Point every layer at one kernel set and prepare the weights it reads (once, after loading)."""
+        fp8_weights = sum(p.numel() for p in self.parameters() if p.dtype == FP8)
+        dequantize = ops.dequantize_fp8 and fp8_weights * 8 <= DEQUANTIZE_AT_LOAD_BYTES
         for mod in self.modules():
             if hasattr(type(mod), "ops"):
                 mod.ops = ops
-            if isinstance(mod, Linear) and mod.scale is None:  # lm_head etc.: bf16 in the checkpoint
+            if isinstance(mod, Linear) and not mod.fp8:  # lm_head etc.: bf16 in the checkpoint
                 mod.weight.data = mod.weight.data.to(ops.dense_dtype(mod.weight))
             if isinstance(mod, MLA):  # wkv_b dequantized once, split per head into W_UK | W_UV
                 w = weight_dequant(mod.wkv_b.weight, mod.wkv_b.scale).to(ops.attn_dtype(mod.wkv_b.weight))
@@ -1063,6 +1092,8 @@ class Transformer(nn.Module):
                 w = w.view(-1, D + mod.cfg.v_head_dim, mod.cfg.kv_lora_rank)  # [H, D + V, C]
                 mod.w_uk = w[:, :D].transpose(1, 2).contiguous()
                 mod.w_uv = w[:, D:].contiguous()
+            if isinstance(mod, Linear) and mod.fp8 and dequantize:
+                mod.dequantized = weight_dequant(mod.weight, mod.scale).to(acc_dtype(mod.weight))
         return self
 
     @torch.inference_mode()
@@ -1121,6 +1152,7 @@ TORCH_OPS = SimpleNamespace(
     fp8_linear=fp8_linear,  # act-quant + block-scaled FP8 GEMM                (Linear)
     dense_linear=dense_linear,  # bf16/fp32 weights: lm_head, weights_proj, eh_proj (Linear)
     moe=moe_experts,  # routed experts, grouped, weighted sum               (MoE)
+    dequantize_fp8=True,  # FP8 weights dequantized once at load when small enough (DEQUANTIZE_AT_LOAD_BYTES)
     attn_dtype=acc_dtype,  # dtype of wkv_b's absorbed halves (exact: pow2-scaled FP8 fits bf16)
     dense_dtype=lambda w: w.dtype,  # dtype plain Linear weights are kept in (kernels: bf16, as stored)
 )

@@ -240,6 +240,25 @@ def test_write_load_round_trip_exact(tiny_dir, model):
     assert model.norm.weight.dtype == torch.float32 and model.head.weight.dtype == torch.float32
 
 
+def test_weights_dequantized_at_load_give_the_same_logits(tiny_dir, model, monkeypatch):
+    """The references' FP8 weights dequantized once at load (DEQUANTIZE_AT_LOAD_BYTES) vs at every call:
+    the same values, so bit-identical logits, with and without MTP; the FP8 parameters stay as loaded."""
+    assert model.layers[0].attn.wq_a.dequantized is not None  # the tiny model is small enough
+    prompts = mixed_prompts(3)
+    at_load = {
+        k: make_llm(tiny_dir, k).generate(prompts, max_new_tokens=6, return_logits=True) for k in (0, 2)
+    }
+    monkeypatch.setattr(m, "DEQUANTIZE_AT_LOAD_BYTES", 0)
+    per_call_model = m.load_model(tiny_dir)
+    assert per_call_model.layers[0].attn.wq_a.dequantized is None
+    for k, want in at_load.items():
+        got = m.LLM(tiny_dir, device="cpu", mtp=k, model=per_call_model).generate(
+            prompts, max_new_tokens=6, return_logits=True
+        )
+        for a, b in zip(got, want, strict=True):
+            assert a.token_ids == b.token_ids and torch.equal(a.logits, b.logits)
+
+
 def test_random_model_on_device_equals_written_checkpoint(tiny_dir, model):
     """random_model (its GPU-side generator) follows the writer's recipe: on CPU it gives the same
     tensors."""
