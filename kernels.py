@@ -29,12 +29,6 @@ import triton
 import triton.language as tl
 
 BF16 = torch.bfloat16
-WORKSPACE_BYTES = 256 << 20  # flashinfer's float workspace (split-KV partial outputs)
-
-
-def to_device(x, device):
-    """As nano_nsa.to_device: through pinned memory, so the host never waits on the GPU."""
-    return x.pin_memory().to(device, non_blocking=True)
 
 
 def unsupported(device: torch.device):
@@ -288,6 +282,10 @@ def sparse_mla(q_abs, q_pe, cache, slots, meta, scale):
     return out
 
 
+WORKSPACE_BYTES = 256 << 20  # trtllm-gen's workspace (Blackwell)
+_BLACKWELL = {}  # that workspace, made at the first call (zeroed, as trtllm-gen requires)
+
+
 def _sparse_mla_blackwell(q_abs, q_pe, cache, slots, meta, scale):
     """Blackwell (SM100/103) variant: flashinfer's trtllm-gen sparse MLA decode, every row its own request of
     one query token with its own (expanded) length, so verify and draft-extend rows go through it as decode
@@ -316,9 +314,6 @@ def _sparse_mla_blackwell(q_abs, q_pe, cache, slots, meta, scale):
         backend="trtllm-gen",
     )
     return out.view(T, H, C)
-
-
-_BLACKWELL = {}  # the trtllm-gen workspace (zeroed, as it requires)
 
 
 # ------------------------------------------------------------------------------------------------------------

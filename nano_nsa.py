@@ -522,9 +522,7 @@ class Linear(nn.Module):
     all-reduces), None all of it."""
 
     ops = None  # bound once by Transformer.bind (fp8_linear / dense_linear)
-    dequantized = (
-        None  # the FP8 weight dequantized once at bind, for the references (DEQUANTIZE_AT_LOAD_BYTES)
-    )
+    dequantized = None  # the FP8 weight dequantized at bind, for the references (DEQUANTIZE_AT_LOAD_BYTES)
 
     def __init__(self, in_features, out_features, fp8=True, dtype=BF16, n=None, split=None):
         super().__init__()
@@ -1704,16 +1702,16 @@ def check_generate_args(prompts, args, on_tokens):
         is_list, f"prompts must be a string, a list of token ids, or a list of those (got {prompts!r:.80})"
     )
     max_new = args["max_new_tokens"]
-    if isinstance(max_new, (list, tuple)):  # one value per prompt
-        require(
-            len(max_new) == len(prompts),
-            f"max_new_tokens has {len(max_new)} values for {len(prompts)} prompts",
-        )
-        for n in max_new:
-            check_arg("max_new_tokens", n, *SAMPLING["max_new_tokens"])
+    per_prompt = isinstance(max_new, (list, tuple))  # max_new_tokens: one value, or one per prompt
+    if per_prompt:
+        count = f"max_new_tokens has {len(max_new)} values for {len(prompts)} prompts"
+        require(len(max_new) == len(prompts), count)
     for name, rule in SAMPLING.items():
-        if name != "max_new_tokens" or not isinstance(max_new, (list, tuple)):
-            check_arg(name, args[name], *rule)
+        values = [args[name]]
+        if name == "max_new_tokens" and per_prompt:
+            values = max_new
+        for value in values:
+            check_arg(name, value, *rule)
     for name in FLAGS:
         check_arg(name, args[name], bool)
     require(on_tokens is None or callable(on_tokens), f"on_tokens must be a function (got {on_tokens!r:.80})")
@@ -2276,11 +2274,12 @@ class LLM:
             fresh = torch.tensor([int.from_bytes(os.urandom(6), "little")], device=self.device)
             seed = int(all_reduce(fresh, dist.ReduceOp.MAX))
         capacity = self.pool.free_slots
+        budgets = args["max_new_tokens"]
+        if not isinstance(budgets, (list, tuple)):  # one value for every prompt
+            budgets = [budgets] * len(prompts)
         reqs = []
         for i, prompt in enumerate(prompts):
-            max_new = args["max_new_tokens"]
-            if isinstance(max_new, (list, tuple)):
-                max_new = max_new[i]
+            max_new = budgets[i]
             ids = self.encode(prompt, args["thinking"], args["raw"])
             require(ids, f"prompt {i} is empty")
             in_vocab = min(ids) >= 0 and max(ids) < self.cfg.vocab_size
