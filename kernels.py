@@ -4,15 +4,19 @@ Each function here has a readable torch reference with the same signature in nan
 compare them on fresh random inputs at the real shapes (test_nano.py, marked `gpu`). `GPU_OPS` at the end is
 the set `nano_nsa.select_ops` binds on a GPU that `unsupported()` accepts.
 
+  index_quant     the indexer's q / k: RoPE + Hadamard (one tensor-core product) + FP8, one launch
   index_topk      lightning indexer: Triton FP8 scores over the paged key cache + causal mask + top-k
   sparse_mla      absorbed sparse MLA rows: Triton, fixed chunks of each row's selection (Hopper);
                   flashinfer trtllm-gen (Blackwell, unverified here)
   dense_attention causal per-head attention of short prompt chunks (torch SDPA)
-  fp8_linear      Triton act-quant (1x128, pow2 scales) + block-scaled FP8 GEMM (split-K by weight shape)
-  moe             routed experts: GPU-side sort by expert, two grouped FP8 GEMMs, ordered combine; no sync
-  dense_linear    bf16 weights with fp32 accumulation (lm_head, weights_proj, eh_proj, router): Triton GEMM
   head_linear     a linear map per head (MLA's absorbed W_UK, W_UV): the grouped Triton GEMM
+  rope, store_latent   MLA's query rotation; its cache write (norm, FP8 round trip, rotation), one launch
   rms_norm        RMSNorm (with the residual add): Triton, one program per row
+  fp8_linear      block-scaled FP8 GEMM (split-K by weight shape, summed in order in the kernel), act-quant
+                  (1x128, pow2 scales) inside it for decode-sized inputs; swiglu_linear: with SwiGLU too
+  dense_linear    bf16 weights with fp32 accumulation (lm_head, weights_proj, eh_proj, router): Triton GEMM
+  route           the router after its product (sigmoid, group-limited top-k, weights): one launch
+  moe             routed experts: GPU-side sort by expert, two grouped FP8 GEMMs, ordered combine; no sync
 
 Batch invariance: a row's result never depends on the other rows of its batch (docs/batch_invariance.md):
 tile shapes and split-K come from the weight's shape, attention splits from the row's own selection, and every
@@ -27,6 +31,7 @@ import torch
 import torch.nn.functional as F
 import triton
 import triton.language as tl
+from triton.language.extra import libdevice
 
 BF16 = torch.bfloat16
 
@@ -93,23 +98,6 @@ def _index_keys_kernel(
     tl.store(out_ptr + t.to(tl.int64) * out_stride + n, key, mask=n < out_stride)
 
 
-_SYLVESTER = {}  # (n, device): the n x n +-1 Sylvester-Hadamard matrix
-
-
-def index_quant(x):
-    """Kernel of nano_nsa.index_quant: the Hadamard transform as one GEMM with the +-1 Sylvester matrix (the
-    reference's 7-stage butterfly is ~30 small kernels) through dense_linear (bf16 x and +-1 entries: exact
-    products, fp32 sums in an order fixed by the shape; cuBLAS's fp32 GEMM changed its bits with the number
-    of rows), scaled and rounded to bf16 as the reference, then the Triton act-quant."""
-    n = x.shape[-1]
-    if (n, x.device) not in _SYLVESTER:  # built at the first (eager) call, before any graph capture
-        h = torch.ones(1, 1)
-        while h.shape[0] < n:
-            h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)])
-        _SYLVESTER[n, x.device] = h.to(device=x.device, dtype=BF16)  # symmetric: x @ H = x @ H^T
-    return act_quant((dense_linear(x, _SYLVESTER[n, x.device]) * n**-0.5).to(BF16))
-
-
 def index_topk(q8, head_weights, cache, meta, topk):
     """Kernel of nano_nsa.index_topk: rows flattened over (request x draft position), each scoring only the
     keys below its own causal length, through its request's page-table row; then top-min(topk, N) per row."""
@@ -158,7 +146,9 @@ def _sparse_mla_kernel(
     q_ptr,
     qpe_ptr,
     kv_ptr,
-    slots_ptr,
+    sel_ptr,
+    table_ptr,
+    row_req_ptr,
     ctx_ptr,
     out_ptr,
     part_ptr,
@@ -166,6 +156,7 @@ def _sparse_mla_kernel(
     T,
     H,
     W,
+    table_stride,
     scale,
     C: tl.constexpr,
     R: tl.constexpr,
@@ -174,8 +165,9 @@ def _sparse_mla_kernel(
     BLOCK_H: tl.constexpr,
     BLOCK_N: tl.constexpr,
 ):
-    """One (row t, block of heads, chunk s of the row's selection): online softmax over the chunk's slots,
-    BLOCK_N at a time, in order. The row's valid slots come first (min(ctx[t], W) of them); steps past them
+    """One (row t, block of heads, chunk s of the row's selection): online softmax over the chunk's slots
+    (its selected positions through its request's page-table row), BLOCK_N at a time, in order. The row's
+    valid positions come first (min(ctx[t], W) of them); steps past them
     are skipped, and would change nothing (an empty step adds exact zeros), so a row's result does not depend
     on the batch's width W. SPLITS == 1: the normalized output; else the unnormalized partial and its (max,
     sum) for _mla_combine_kernel."""
@@ -190,10 +182,12 @@ def _sparse_mla_kernel(
     lsum = tl.zeros([BLOCK_H], tl.float32)
     acc = tl.zeros([BLOCK_H, C], tl.float32)
     n_valid = tl.minimum(tl.load(ctx_ptr + t), W)
+    table = table_ptr + tl.load(row_req_ptr + t).to(tl.int64) * table_stride
     for j0 in range(s * CHUNK, tl.minimum(s * CHUNK + CHUNK, n_valid), BLOCK_N):
         j = j0 + tl.arange(0, BLOCK_N)
-        slot = tl.load(slots_ptr + t.to(tl.int64) * W + j, mask=j < n_valid, other=-1).to(tl.int64)
-        valid = slot >= 0
+        pos = tl.load(sel_ptr + t.to(tl.int64) * W + j, mask=j < n_valid, other=-1)
+        valid = pos >= 0
+        slot = tl.load(table + pos, mask=valid, other=0).to(tl.int64)
         row = tl.maximum(slot, 0) * (C + R)
         kv = tl.load(kv_ptr + row[:, None] + c[None, :], mask=valid[:, None], other=0.0)  # [BN, C]
         pe = tl.load(kv_ptr + row[:, None] + C + r[None, :], mask=valid[:, None], other=0.0)  # [BN, R]
@@ -237,16 +231,16 @@ def _mla_combine_kernel(part_ptr, ml_ptr, out_ptr, T, H, SPLITS: tl.constexpr, C
     tl.store(out_ptr + (t.to(tl.int64) * H + h) * C + c, out.to(out_ptr.dtype.element_ty))
 
 
-def sparse_mla(q_abs, q_pe, cache, slots, meta, scale):
+def sparse_mla(q_abs, q_pe, cache, selected, meta, scale):
     """Kernel of nano_nsa.sparse_mla: bf16 q and cache, fp32 softmax and sums, bf16 out. Batch-invariant: a
     row is split into chunks of MLA_CHUNK of its own selected slots, merged in chunk order, whatever else runs
     (flashinfer's FA3 scheduler splits the KV by the number of rows, so the same row gave different bits in
     different batches). Blackwell: flashinfer's trtllm-gen decode kernel (unverified, see below)."""
     if torch.cuda.get_device_capability(q_abs.device)[0] == 10:
-        return _sparse_mla_blackwell(q_abs, q_pe, cache, slots, meta, scale)
+        return _sparse_mla_blackwell(q_abs, q_pe, cache, selected, meta, scale)
     T, H, C = q_abs.shape
     R = q_pe.shape[-1]
-    W = slots.shape[1]
+    W = selected.shape[1]
     splits = triton.cdiv(W, MLA_CHUNK)
     out = torch.empty(T, H, C, dtype=BF16, device=q_abs.device)
     step = max(1, MLA_PARTIAL_BYTES // (splits * H * C * 4))  # rows per launch (independent of each other)
@@ -259,7 +253,9 @@ def sparse_mla(q_abs, q_pe, cache, slots, meta, scale):
             q_abs[rows].to(BF16).contiguous(),
             q_pe[rows].to(BF16).contiguous(),
             cache.latent,
-            slots[rows].contiguous(),
+            selected[rows].contiguous(),
+            meta.table,
+            meta.row_req[rows].contiguous(),
             meta.ctx_lens[rows].contiguous(),
             out[rows],
             part,
@@ -267,6 +263,7 @@ def sparse_mla(q_abs, q_pe, cache, slots, meta, scale):
             n,
             H,
             W,
+            meta.table.stride(0),
             scale,
             C=C,
             R=R,
@@ -286,7 +283,7 @@ WORKSPACE_BYTES = 256 << 20  # trtllm-gen's workspace (Blackwell)
 _BLACKWELL = {}  # that workspace, made at the first call (zeroed, as trtllm-gen requires)
 
 
-def _sparse_mla_blackwell(q_abs, q_pe, cache, slots, meta, scale):
+def _sparse_mla_blackwell(q_abs, q_pe, cache, selected, meta, scale):
     """Blackwell (SM100/103) variant: flashinfer's trtllm-gen sparse MLA decode, every row its own request of
     one query token with its own (expanded) length, so verify and draft-extend rows go through it as decode
     rows. UNVERIFIED ON HARDWARE: no Blackwell GPU was available to this project; it is written from
@@ -295,7 +292,9 @@ def _sparse_mla_blackwell(q_abs, q_pe, cache, slots, meta, scale):
     from flashinfer.mla import trtllm_batch_decode_with_kv_cache_mla
 
     T, H, C = q_abs.shape
-    W = slots.shape[1]
+    W = selected.shape[1]
+    slots = meta.table[meta.row_req[:, None], selected.clamp(min=0)]
+    slots = torch.where(selected >= 0, slots, -1)  # [T, W] KV-pool slots
     if "workspace" not in _BLACKWELL:
         _BLACKWELL["workspace"] = torch.zeros(WORKSPACE_BYTES, dtype=torch.uint8, device=q_abs.device)
     q = torch.cat([q_abs.to(BF16), q_pe.to(BF16)], -1)[:, None]  # [T, 1, H, C + R]
@@ -339,31 +338,51 @@ def dense_attention(q, k, v, scale):
 # FP8: activation quantization, block-scaled GEMM, grouped MoE (spec 3, 6)
 # ------------------------------------------------------------------------------------------------------------
 @triton.jit
-def _act_quant_kernel(x_ptr, q_ptr, s_ptr, K: tl.constexpr, NG: tl.constexpr):
-    """One row: 1x128 groups, scale = the power of two >= amax / 448 (ue8m0), q = x / scale rounded to
-    e4m3."""
-    row = tl.program_id(0).to(tl.int64)
-    g, c = tl.arange(0, NG), tl.arange(0, 128)
-    ok = g[:, None] < K // 128
-    x = tl.load(x_ptr + row * K + g[:, None] * 128 + c[None, :], mask=ok, other=0.0).to(tl.float32)
+def _pow2_quant(x):
+    """x [rows, 128] fp32 -> (q e4m3, s [rows] fp32): scale = the power of two >= amax / 448 (ue8m0), q =
+    x / scale rounded to e4m3. Every FP8 activation (act_quant, the GEMM quantizing its own A) runs this."""
     s = tl.maximum(tl.max(tl.abs(x), 1), 1e-4) * (1.0 / 448.0)
     bits = s.to(tl.int32, bitcast=True)
     bits = tl.where((bits & 0x7FFFFF) != 0, ((bits >> 23) + 1) << 23, bits)  # round up to a power of two
     s = bits.to(tl.float32, bitcast=True)
-    q = tl.clamp(x / s[:, None], -448.0, 448.0).to(tl.float8e4nv)
-    tl.store(q_ptr + row * K + g[:, None] * 128 + c[None, :], q, mask=ok)
+    return tl.clamp(x / s[:, None], -448.0, 448.0).to(tl.float8e4nv), s
+
+
+@triton.jit
+def _swiglu(gate, up):
+    """silu(gate) * up in fp32 as torch computes it (exact exp, IEEE division), rounded to bf16."""
+    silu = tl.math.div_rn(gate, 1.0 + libdevice.exp(-gate))
+    return (silu * up).to(tl.bfloat16).to(tl.float32)
+
+
+@triton.jit
+def _act_quant_kernel(x_ptr, q_ptr, s_ptr, x_stride, K: tl.constexpr, NG: tl.constexpr, SWIGLU: tl.constexpr):
+    """One row: 1x128 groups of x (SWIGLU: of silu(x[:, :K]) * x[:, K:]) -> q e4m3, s fp32."""
+    row = tl.program_id(0).to(tl.int64)
+    g, c = tl.arange(0, NG), tl.arange(0, 128)
+    ok = g[:, None] < K // 128
+    offs = g[:, None] * 128 + c[None, :]
+    x = tl.load(x_ptr + row * x_stride + offs, mask=ok, other=0.0).to(tl.float32)
+    if SWIGLU:
+        x = _swiglu(x, tl.load(x_ptr + row * x_stride + K + offs, mask=ok, other=0.0).to(tl.float32))
+    q, s = _pow2_quant(x)
+    tl.store(q_ptr + row * K + offs, q, mask=ok)
     tl.store(s_ptr + row * (K // 128) + g, s, mask=g < K // 128)
 
 
-def act_quant(x):
-    """Kernel of nano_nsa.act_quant (bit-exact): x [..., K] -> (q [..., K] e4m3, s [..., K/128] fp32)."""
-    K = x.shape[-1]
-    x2 = x.reshape(-1, K).contiguous()
-    q = torch.empty(x2.shape, dtype=torch.float8_e4m3fn, device=x.device)
+def act_quant(x, swiglu=False):
+    """Kernel of nano_nsa.act_quant (bit-exact): x [..., K] -> (q [..., K] e4m3, s [..., K/128] fp32). swiglu:
+    of swiglu_activation(x) for x = [gate | up] [..., 2K]."""
+    K = x.shape[-1] // (2 if swiglu else 1)
+    x2 = x.reshape(-1, x.shape[-1])
+    if x2.stride(-1) != 1:
+        x2 = x2.contiguous()
+    q = torch.empty(x2.shape[0], K, dtype=torch.float8_e4m3fn, device=x.device)
     s = torch.empty(x2.shape[0], K // 128, dtype=torch.float32, device=x.device)
     if x2.shape[0]:
-        _act_quant_kernel[(x2.shape[0],)](x2, q, s, K=K, NG=triton.next_power_of_2(K // 128), num_warps=4)
-    return q.view(x.shape), s.view(*x.shape[:-1], K // 128)
+        NG = triton.next_power_of_2(K // 128)
+        _act_quant_kernel[(x2.shape[0],)](x2, q, s, x2.stride(0), K=K, NG=NG, SWIGLU=swiglu, num_warps=4)
+    return q.view(*x.shape[:-1], K), s.view(*x.shape[:-1], K // 128)
 
 
 @triton.jit
@@ -375,21 +394,27 @@ def _gemm_kernel(
     bs_ptr,
     expert_ptr,
     c_ptr,
+    part_ptr,
+    lock_ptr,
     M,
     N,
     K,
-    SCALED: tl.constexpr,
+    a_stride,
+    A_MODE: tl.constexpr,
     GATHER: tl.constexpr,
+    SCATTER: tl.constexpr,
     GROUPED: tl.constexpr,
     SPLIT_K: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
 ):
     """C[m, n] = sum over 128-wide k blocks of (A8[m, kb] . B8[n, kb]) * sa[m, kb] * sb[n // 128, kb], fp32.
-    SCALED=False: bf16 A and B without scales, C = A . B^T in fp32. GATHER: row m of A is rows[m] (-1: a
-    padding row). GROUPED: this block of M rows belongs to expert experts[pid_m] (-1: none) and reads that
-    expert's B. SPLIT_K > 1: program k sums the k blocks k, k + SPLIT_K, ... into its own [M, N] slice of C
-    (_sum_splits_kernel adds the slices in order)."""
+    A_MODE: "fp8" A8 and sa given; "quant" bf16 A quantized here, block by block, as act_quant would;
+    "swiglu" A = swiglu_activation of [gate | up] (row stride a_stride), then quantized; "bf16" bf16 A and
+    B without scales, C = A . B^T. GATHER: row m of A is rows[m] (-1: a padding row); SCATTER: and it is
+    written to row rows[m] of C. GROUPED: this block of M rows belongs to expert experts[pid_m] (-1: none)
+    and reads that expert's B. SPLIT_K > 1: program k sums the k blocks k, k + SPLIT_K, ... into its slice
+    of the partials [SPLIT_K, M, N]; the tile's last program to finish adds the slices in split order."""
     pid_m, pid_n, pid_k = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -407,41 +432,57 @@ def _gemm_kernel(
         n_kb = tl.where(e >= 0, KB, 0)
         e = tl.maximum(e, 0).to(tl.int64)
         b_ptr += e * N * K
-        if SCALED:
+        if A_MODE != "bf16":
             bs_ptr += e * ((N + 127) // 128) * KB
     valid_n = offs_n < N
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for kb in range(pid_k, n_kb, SPLIT_K):
         k_ok = kb * 128 + kc < K
         a_mask = valid_m[:, None] & k_ok[None, :]
-        a = tl.load(a_ptr + rows[:, None] * K + kb * 128 + kc[None, :], mask=a_mask, other=0.0)
+        a_offs = rows[:, None] * a_stride + kb * 128 + kc[None, :]
+        a = tl.load(a_ptr + a_offs, mask=a_mask, other=0.0)
+        if A_MODE == "swiglu":
+            up = tl.load(a_ptr + a_offs + K, mask=a_mask, other=0.0)
+            a = _swiglu(a.to(tl.float32), up.to(tl.float32))
+        if A_MODE == "quant" or A_MODE == "swiglu":
+            a, sa = _pow2_quant(a.to(tl.float32))
+        if A_MODE == "fp8":
+            sa = tl.load(as_ptr + rows * KB + kb, mask=valid_m, other=0.0)
         b_mask = valid_n[:, None] & k_ok[None, :]
         b = tl.load(b_ptr + offs_n[:, None].to(tl.int64) * K + kb * 128 + kc[None, :], mask=b_mask, other=0.0)
-        if SCALED:
-            sa = tl.load(as_ptr + rows * KB + kb, mask=valid_m, other=0.0)
+        if A_MODE == "bf16":
+            acc = tl.dot(a, tl.trans(b), acc)
+        else:
             sb = tl.load(bs_ptr + (offs_n // 128) * KB + kb, mask=valid_n, other=0.0)
             acc += tl.dot(a, tl.trans(b)) * sa[:, None] * sb[None, :]
-        else:
-            acc = tl.dot(a, tl.trans(b), acc)
-    c = c_ptr + pid_k.to(tl.int64) * M * N + offs_m[:, None].to(tl.int64) * N + offs_n[None, :]
-    mask = (offs_m < M)[:, None] & valid_n[None, :]
-    tl.store(c, acc.to(c_ptr.dtype.element_ty), mask=mask)
-
-
-@triton.jit
-def _sum_splits_kernel(part_ptr, c_ptr, MN, SPLIT_K: tl.constexpr, BLOCK: tl.constexpr):
-    """c = the split-K partials [SPLIT_K, M, N] summed in split order (fp32), rounded once."""
-    i = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-    mask = i < MN
-    acc = tl.zeros([BLOCK], tl.float32)
-    for s in tl.static_range(SPLIT_K):
-        acc += tl.load(part_ptr + s * MN + i, mask=mask, other=0.0)
-    tl.store(c_ptr + i, acc.to(c_ptr.dtype.element_ty), mask=mask)
+    out_rows = offs_m.to(tl.int64)
+    if SCATTER:
+        out_rows = rows
+    c = c_ptr + out_rows[:, None] * N + offs_n[None, :]
+    mask = valid_m[:, None] & valid_n[None, :]
+    if SPLIT_K == 1:
+        tl.store(c, acc.to(c_ptr.dtype.element_ty), mask=mask)
+    else:
+        tile = offs_m[:, None].to(tl.int64) * N + offs_n[None, :]
+        tl.store(part_ptr + pid_k.to(tl.int64) * M * N + tile, acc, mask=mask)
+        tl.debug_barrier()  # every thread's partial is out before the tile's count goes up
+        lock = lock_ptr + pid_m * tl.num_programs(1) + pid_n
+        if tl.atomic_add(lock, 1) == SPLIT_K - 1:  # (acq_rel: the other programs' partials are visible)
+            total = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+            for s in range(SPLIT_K):
+                total += tl.load(part_ptr + s * M * N + tile, mask=mask, other=0.0, cache_modifier=".cg")
+            tl.store(c, total.to(c_ptr.dtype.element_ty), mask=mask)
+            tl.atomic_xchg(lock, 0)  # ready for the next launch
 
 
 GEMM_BLOCK_M = 64  # one tile height for every M: a row's sums never depend on how many rows there are
 GEMM_BLOCK_N = 64
 GEMM_PARTIAL_BYTES = 64 << 20  # bound on the split-K partials of one launch (long prefills run in parts)
+QUANT_IN_GEMM_ROWS = (
+    256  # up to this many rows the GEMM quantizes A itself (no act_quant launch); the same bits
+)
+GEMM_LOCKS = 1 << 16  # split-K tile counters, zero between launches
+_LOCKS = {}  # device -> the counters (made at the first, eager, call)
 
 
 def gemm_split(N, K):
@@ -451,36 +492,47 @@ def gemm_split(N, K):
     return max(1, min(K // 128, 256 // triton.cdiv(N, GEMM_BLOCK_N), 16384 // N))
 
 
-def _gemm(a, sa, b, sb, M, N, rows=None, experts=None, out_dtype=BF16):
-    """A8 [*, K] (rows picked by `rows` if given), B8 [N, K] or [E, N, K] (with `experts` per block of
-    GEMM_BLOCK_M rows) -> C [M, N] out_dtype, fp32 accumulation of each 128-block product times its two
-    scales, in an order fixed by the weight's shape. sa = sb = None: bf16 A and B, no scales."""
+def _gemm(a, sa, b, sb, M, N, a_mode, rows=None, experts=None, scatter=False, out_dtype=BF16):
+    """A [*, K] (rows picked by `rows` if given; a_mode as _gemm_kernel's A_MODE), B8 [N, K] or [E, N, K]
+    (with `experts` per block of GEMM_BLOCK_M rows) -> C [M, N] out_dtype (scatter: C [*, N] at rows
+    `rows`), fp32 accumulation of each 128-block product times its two scales, in an order fixed by the
+    weight's shape."""
     K = b.shape[-1]
     split = gemm_split(N, K) if experts is None else 1
-    c = torch.empty(M, N, device=a.device, dtype=out_dtype)
+    if scatter:
+        c = torch.empty(a.shape[0], N, device=a.device, dtype=out_dtype)
+    else:
+        c = torch.empty(M, N, device=a.device, dtype=out_dtype)
+    if a.device not in _LOCKS:
+        _LOCKS[a.device] = torch.zeros(GEMM_LOCKS, dtype=torch.int32, device=a.device)
     step = M if split == 1 else max(GEMM_BLOCK_M, GEMM_PARTIAL_BYTES // (split * N * 4))
     for m0 in range(0, M, step):  # rows are independent: a long prefill runs in parts of bounded memory
         m = min(step, M - m0)
-        if split == 1:
-            out = c[m0 : m0 + m]
-        else:
-            out = torch.empty(split, m, N, device=a.device, dtype=torch.float32)
+        grid = (triton.cdiv(m, GEMM_BLOCK_M), triton.cdiv(N, GEMM_BLOCK_N), split)
+        assert grid[0] * grid[1] <= GEMM_LOCKS
+        part = None
+        if split > 1:
+            part = torch.empty(split, m, N, device=a.device, dtype=torch.float32)
         scales_a = None
         if sa is not None:
             scales_a = sa[m0:]
-        _gemm_kernel[(triton.cdiv(m, GEMM_BLOCK_M), triton.cdiv(N, GEMM_BLOCK_N), split)](
-            a[m0:],  # (moe's gathered rows never split: m0 = 0)
+        _gemm_kernel[grid](
+            a[m0:],  # (the gathered and grouped GEMMs never run in parts: m0 = 0)
             scales_a,
             rows,
             b,
             sb,
             experts,
-            out,
+            c[m0 : m0 + m] if not scatter else c,
+            part,
+            _LOCKS[a.device],
             m,
             N,
             K,
-            SCALED=sa is not None,
+            a.stride(0),
+            A_MODE=a_mode,
             GATHER=rows is not None,
+            SCATTER=scatter,
             GROUPED=experts is not None,
             SPLIT_K=split,
             BLOCK_M=GEMM_BLOCK_M,
@@ -488,21 +540,38 @@ def _gemm(a, sa, b, sb, M, N, rows=None, experts=None, out_dtype=BF16):
             num_warps=4,
             num_stages=3,
         )
-        if split > 1:
-            BLOCK = 1024
-            _sum_splits_kernel[(triton.cdiv(m * N, BLOCK),)](
-                out, c[m0 : m0 + m], m * N, SPLIT_K=split, BLOCK=BLOCK, num_warps=4
-            )
     return c
 
 
 def fp8_linear(x, w, scale, partial=False):
-    """Kernel of nano_nsa.fp8_linear: act_quant then the block-scaled FP8 GEMM, bf16 out (partial: fp32)."""
-    q, s = act_quant(x)
-    M = q.numel() // q.shape[-1]
+    """Kernel of nano_nsa.fp8_linear: act-quant and the block-scaled FP8 GEMM, bf16 out (partial: fp32). Up to
+    QUANT_IN_GEMM_ROWS rows the GEMM quantizes x itself (one launch); above, act_quant runs first, so that
+    each N tile does not redo it. Both give the same bits."""
+    M = x.numel() // x.shape[-1]
     out_dtype = torch.float32 if partial else BF16
-    y = _gemm(q.view(M, -1), s.view(M, -1), w, scale, M, w.shape[0], out_dtype=out_dtype)
+    x2 = x.reshape(M, -1)
+    if M <= QUANT_IN_GEMM_ROWS:
+        y = _gemm(x2, None, w, scale, M, w.shape[0], "quant", out_dtype=out_dtype)
+    else:
+        q, s = act_quant(x2)
+        y = _gemm(q, s, w, scale, M, w.shape[0], "fp8", out_dtype=out_dtype)
     return y.view(*x.shape[:-1], w.shape[0])
+
+
+def swiglu_linear(h, w, scale, partial=False):
+    """Kernel of nano_nsa.swiglu_linear: SwiGLU's activation of h = [gate | up], act-quant and the FP8 GEMM.
+    Up to QUANT_IN_GEMM_ROWS rows all in the GEMM (one launch); above, act_quant(swiglu=True) first."""
+    M = h.numel() // h.shape[-1]
+    out_dtype = torch.float32 if partial else BF16
+    h2 = h.reshape(M, -1)
+    if h2.stride(-1) != 1:
+        h2 = h2.contiguous()
+    if M <= QUANT_IN_GEMM_ROWS:
+        y = _gemm(h2, None, w, scale, M, w.shape[0], "swiglu", out_dtype=out_dtype)
+    else:
+        q, s = act_quant(h2, swiglu=True)
+        y = _gemm(q, s, w, scale, M, w.shape[0], "fp8", out_dtype=out_dtype)
+    return y.view(*h.shape[:-1], w.shape[0])
 
 
 @triton.jit
@@ -522,10 +591,10 @@ def _combine_kernel(o_ptr, pos_ptr, w_ptr, y_ptr, D, A: tl.constexpr, BLOCK: tl.
 def moe(x, weights, idx, w13, s13, w2, s2):
     """Kernel of nano_nsa.moe_experts, with no host synchronization: the (token, expert) pairs are sorted by
     expert into blocks of GEMM_BLOCK_M rows (each expert's rows padded to whole blocks, so a block reads one
-    expert's weights); one grouped FP8 GEMM for w1|w3, SiLU-and-multiply, act-quant, one grouped GEMM for w2,
-    then each token's rows gathered back and summed in choice order. Batch-invariant: one tile height and no
-    split-K whatever the number of pairs, no atomics. Expert parallel: idx E (another rank's expert) is sorted
-    into blocks of expert -1, which the GEMMs skip (zero rows)."""
+    expert's weights); one grouped FP8 GEMM for w1|w3, one for w2 with SwiGLU's activation and its act-quant
+    folded in, then each token's rows gathered back and summed in choice order. Batch-invariant: one tile
+    height and no split-K whatever the number of pairs, no atomics. Expert parallel: idx E (another rank's
+    expert) is sorted into blocks of expert -1, which the GEMMs skip (zero rows)."""
     T, A = idx.shape
     E, I2, dim = w13.shape
     P = T * A
@@ -546,11 +615,14 @@ def moe(x, weights, idx, w13, s13, w2, s2):
     starts = torch.arange(n_blocks, device=x.device) * bm
     experts = torch.searchsorted(pad_end, starts, right=True).to(torch.int32)
     experts = torch.where(experts < E, experts, -1)
-    q, s = act_quant(x)
-    h = _gemm(q, s, w13, s13, R, I2, rows=token, experts=experts)  # [R, 2I] bf16
-    h = (F.silu(h[:, : I2 // 2].float()) * h[:, I2 // 2 :].float()).to(BF16)
-    q2, s2_ = act_quant(h)
-    o = _gemm(q2, s2_, w2, s2, R, dim, experts=experts)  # [R, dim] bf16
+    if P <= QUANT_IN_GEMM_ROWS:  # act-quant and SwiGLU inside the GEMMs (the same bits)
+        h = _gemm(x, None, w13, s13, R, I2, "quant", rows=token, experts=experts)  # [R, 2I] bf16
+        o = _gemm(h, None, w2, s2, R, dim, "swiglu", experts=experts)  # [R, dim] bf16
+    else:
+        q, s = act_quant(x)
+        h = _gemm(q, s, w13, s13, R, I2, "fp8", rows=token, experts=experts)
+        q, s = act_quant(h, swiglu=True)
+        o = _gemm(q, s, w2, s2, R, dim, "fp8", experts=experts)
     y = torch.empty(T, dim, dtype=torch.float32, device=x.device)
     BLOCK = 1024
     _combine_kernel[(T, triton.cdiv(dim, BLOCK))](
@@ -565,24 +637,40 @@ def dense_linear(x, w):
     through the GEMM above, whose sum order is fixed by the weight's shape. (cuBLAS picks its algorithm, and
     with it the sum order, by the number of rows: measured different bits from 16 rows for eh_proj and from
     2 rows for the router's fp32 product.)"""
-    x2 = x.reshape(-1, x.shape[-1]).to(BF16).contiguous()
-    y = _gemm(x2, None, w, None, x2.shape[0], w.shape[0], out_dtype=torch.float32)
+    x2 = x.reshape(-1, x.shape[-1]).to(BF16)
+    if x2.stride(-1) != 1:
+        x2 = x2.contiguous()
+    y = _gemm(x2, None, w, None, x2.shape[0], w.shape[0], "bf16", out_dtype=torch.float32)
     return y.view(*x.shape[:-1], w.shape[0])
+
+
+_HEAD_ROWS = {}  # (T, H, device) -> head_linear's row map and block heads, made once for decode-sized T
+HEAD_ROWS_CACHED = 256  # (prompt chunks, of any length, build theirs at each call)
 
 
 def head_linear(x, w):
     """Kernel of nano_nsa.head_linear (MLA's absorbed W_UK, W_UV): x [T, H, K] times each head's w [H, N, K]
-    -> [T, H, N] bf16, as the grouped GEMM of the MoE with heads for experts (rows h * T' + t of head h, T'
-    = T rounded up to a tile), so its sum order is fixed by the weight's shape. (cuBLAS's batched GEMM picks
-    its algorithm by T.)"""
+    -> [T, H, N] bf16, as the grouped GEMM of the MoE with heads for experts: head h's rows t (its input and
+    output row t * H + h) fill blocks of their own, T rounded up to a tile, so the sum order is fixed by the
+    weight's shape. (cuBLAS's batched GEMM picks its algorithm by T.)"""
     T, H, K = x.shape
     N = w.shape[1]
-    Tp = triton.cdiv(T, GEMM_BLOCK_M) * GEMM_BLOCK_M
-    t = torch.arange(Tp, device=x.device)
-    rows = torch.where(t < T, t * H + torch.arange(H, device=x.device)[:, None], -1).flatten()  # [H * Tp]
-    heads = torch.arange(H, device=x.device, dtype=torch.int32).repeat_interleave(Tp // GEMM_BLOCK_M)
-    y = _gemm(x.to(BF16).reshape(T * H, K).contiguous(), None, w, None, H * Tp, N, rows=rows, experts=heads)
-    return y.view(H, Tp, N)[:, :T].transpose(0, 1)
+    key = (T, H, x.device)
+    if key in _HEAD_ROWS:
+        rows, heads = _HEAD_ROWS[key]
+    else:
+        Tp = triton.cdiv(T, GEMM_BLOCK_M) * GEMM_BLOCK_M
+        t = torch.arange(Tp, device=x.device)
+        rows = torch.where(t < T, t * H + torch.arange(H, device=x.device)[:, None], -1).flatten()  # [H * Tp]
+        heads = torch.arange(H, device=x.device, dtype=torch.int32).repeat_interleave(Tp // GEMM_BLOCK_M)
+    if T <= HEAD_ROWS_CACHED:
+        _HEAD_ROWS[key] = (rows, heads)
+    x2 = x.to(BF16)
+    if x2.stride(2) != 1 or x2.stride(0) != H * x2.stride(1):  # rows t * H + h one stride apart
+        x2 = x2.contiguous()
+    a = x2.as_strided((T * H, K), (x2.stride(1), 1))
+    y = _gemm(a, None, w, None, len(rows), N, "bf16", rows=rows, experts=heads, scatter=True)
+    return y.view(T, H, N)
 
 
 @triton.jit
@@ -628,6 +716,304 @@ def rms_norm(x, residual, weight, eps):
 
 
 # ------------------------------------------------------------------------------------------------------------
+# The router: sigmoid scores, group-limited top-k, routing weights (spec 3.9)
+# ------------------------------------------------------------------------------------------------------------
+@triton.jit
+def _route_kernel(
+    logits_ptr,
+    bias_ptr,
+    w_ptr,
+    idx_ptr,
+    scale,
+    G: tl.constexpr,
+    EG: tl.constexpr,
+    TOP_G: tl.constexpr,
+    A: tl.constexpr,
+    G_PAD: tl.constexpr,
+    EG_PAD: tl.constexpr,
+    A_PAD: tl.constexpr,
+):
+    """One token: scores = sigmoid(logits) as [G, EG]; the TOP_G groups with the largest sum of their two best
+    biased scores, then the A best biased experts inside them, each pick the first maximum (ties to the
+    lowest index, as the reference's stable sort); weights = their unbiased scores, normalized, times scale.
+    (*_PAD: the powers of two the shapes are padded to, with -inf.)"""
+    t = tl.program_id(0).to(tl.int64)
+    g = tl.arange(0, G_PAD)
+    j = tl.arange(0, EG_PAD)
+    valid = (g[:, None] < G) & (j[None, :] < EG)
+    e = g[:, None] * EG + j[None, :]  # [G_PAD, EG_PAD] expert ids
+    logits = tl.load(logits_ptr + t * G * EG + e, mask=valid, other=0.0)
+    scores = tl.math.div_rn(1.0, 1.0 + libdevice.exp(-logits))
+    biased = tl.where(valid, scores + tl.load(bias_ptr + e, mask=valid, other=0.0), float("-inf"))
+    best = tl.argmax(biased, 1)
+    second = tl.max(tl.where(j[None, :] == best[:, None], float("-inf"), biased), 1)
+    group_score = tl.max(biased, 1) + second
+    kept = g < 0
+    for _ in tl.static_range(TOP_G):
+        pick = tl.argmax(tl.where(kept, float("-inf"), group_score), 0)
+        kept = kept | (g == pick)
+    candidates = tl.reshape(tl.where(kept[:, None], biased, float("-inf")), [G_PAD * EG_PAD])
+    flat_scores = tl.reshape(scores, [G_PAD * EG_PAD])
+    flat = tl.arange(0, G_PAD * EG_PAD)  # (g, j) in order: ties fall to the lowest expert id
+    a = tl.arange(0, A_PAD)
+    chosen = tl.zeros([A_PAD], dtype=tl.int64)
+    weights = tl.zeros([A_PAD], dtype=tl.float32)
+    for i in tl.static_range(A):
+        pick = tl.argmax(candidates, 0)
+        expert = (pick // EG_PAD) * EG + pick % EG_PAD
+        chosen = tl.where(a == i, expert.to(tl.int64), chosen)
+        weights = tl.where(a == i, tl.sum(tl.where(flat == pick, flat_scores, 0.0), 0), weights)
+        candidates = tl.where(flat == pick, float("-inf"), candidates)
+    total = tl.sum(weights, 0)
+    tl.store(w_ptr + t * A + a, weights / total * scale, mask=a < A)
+    tl.store(idx_ptr + t * A + a, chosen, mask=a < A)
+
+
+def route(logits, bias, groups, top_groups, top_experts, scale):
+    """Kernel of nano_nsa.route: the whole router after its product, one program per token (the reference
+    takes ~15 kernels)."""
+    T, E = logits.shape
+    weights = torch.empty(T, top_experts, dtype=torch.float32, device=logits.device)
+    idx = torch.empty(T, top_experts, dtype=torch.int64, device=logits.device)
+    if T:
+        _route_kernel[(T,)](
+            logits.float().contiguous(),
+            bias,
+            weights,
+            idx,
+            scale,
+            G=groups,
+            EG=E // groups,
+            TOP_G=top_groups,
+            A=top_experts,
+            G_PAD=triton.next_power_of_2(groups),
+            EG_PAD=triton.next_power_of_2(E // groups),
+            A_PAD=triton.next_power_of_2(top_experts),
+            num_warps=1,
+        )
+    return weights, idx
+
+
+# ------------------------------------------------------------------------------------------------------------
+# RoPE, MLA's latent cache write, the indexer's q / k quantization: one program per row, fp32 math
+# ------------------------------------------------------------------------------------------------------------
+@triton.jit
+def _rotate(x1, x2, cos, sin, FIRST: tl.constexpr):
+    """The rotated pair's first (x1 cos - x2 sin) or second (x1 sin + x2 cos) element, each product rounded
+    as torch's separate kernels round it (launched with enable_fp_fusion=False: no FMA)."""
+    if FIRST:
+        return x1 * cos - x2 * sin
+    return x1 * sin + x2 * cos
+
+
+@triton.jit
+def _rope_kernel(
+    x_ptr,
+    cos_ptr,
+    sin_ptr,
+    y_ptr,
+    H,
+    x_stride,
+    head_stride,
+    R: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    INTERLEAVED: tl.constexpr,
+):
+    """One (row, block of heads): y[t, h] = x[t, h] rotated by the row's position; interleaved pairs (2i,
+    2i+1) or half-split pairs (i, i + R/2)."""
+    t = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    i = tl.arange(0, R // 2)
+    if INTERLEAVED:
+        first = 2 * i
+        second = 2 * i + 1
+    else:
+        first = i
+        second = i + R // 2
+    mask = h[:, None] < H
+    x = x_ptr + t * x_stride + h[:, None] * head_stride
+    x1 = tl.load(x + first[None, :], mask=mask, other=0.0).to(tl.float32)
+    x2 = tl.load(x + second[None, :], mask=mask, other=0.0).to(tl.float32)
+    cos = tl.load(cos_ptr + t * (R // 2) + i)[None, :]
+    sin = tl.load(sin_ptr + t * (R // 2) + i)[None, :]
+    y = y_ptr + (t * H + h[:, None]) * R
+    tl.store(y + first[None, :], _rotate(x1, x2, cos, sin, True).to(tl.bfloat16), mask=mask)
+    tl.store(y + second[None, :], _rotate(x1, x2, cos, sin, False).to(tl.bfloat16), mask=mask)
+
+
+def rope(x, cos, sin, interleaved):
+    """Kernel of nano_nsa.rope for x [T, R] or [T, H, R] (any row and head strides) -> bf16, contiguous."""
+    T, R = x.shape[0], x.shape[-1]
+    x3 = x.view(T, 1, R) if x.dim() == 2 else x
+    assert x3.stride(2) == 1
+    H = x3.shape[1]
+    y = torch.empty(T, H, R, dtype=BF16, device=x.device)
+    BLOCK_H = min(16, triton.next_power_of_2(H))
+    if T:
+        _rope_kernel[(T, triton.cdiv(H, BLOCK_H))](
+            x3,
+            cos,
+            sin,
+            y,
+            H,
+            x3.stride(0),
+            x3.stride(1),
+            R=R,
+            BLOCK_H=BLOCK_H,
+            INTERLEAVED=interleaved,
+            num_warps=1,
+            enable_fp_fusion=False,
+        )
+    return y.view(x.shape)
+
+
+@triton.jit
+def _store_latent_kernel(
+    kv_ptr,
+    pe_ptr,
+    w_ptr,
+    cos_ptr,
+    sin_ptr,
+    slots_ptr,
+    cache_ptr,
+    kv_stride,
+    pe_stride,
+    eps,
+    C: tl.constexpr,
+    C_PAD: tl.constexpr,
+    R: tl.constexpr,
+):
+    """One row: its latent RMS-normalized (fp32, one fixed sum order), rounded to bf16, FP8 round-tripped
+    (1x128 groups, pow2 scales), and its rope key rotated (interleaved pairs), both into its slot's cache
+    row [C | R]."""
+    t = tl.program_id(0).to(tl.int64)
+    row = cache_ptr + tl.load(slots_ptr + t) * (C + R)
+    c = tl.arange(0, C_PAD)
+    x = tl.load(kv_ptr + t * kv_stride + c, mask=c < C, other=0.0).to(tl.float32)
+    inv = tl.rsqrt(tl.sum(x * x, 0) / C + eps)
+    y = (tl.load(w_ptr + c, mask=c < C, other=0.0) * (x * inv)).to(tl.bfloat16).to(tl.float32)
+    q, s = _pow2_quant(tl.reshape(y, [C_PAD // 128, 128]))
+    latent = tl.reshape(q.to(tl.float32) * s[:, None], [C_PAD])
+    tl.store(row + c, latent.to(tl.bfloat16), mask=c < C)
+    i = tl.arange(0, R // 2)
+    x1 = tl.load(pe_ptr + t * pe_stride + 2 * i).to(tl.float32)
+    x2 = tl.load(pe_ptr + t * pe_stride + 2 * i + 1).to(tl.float32)
+    cos = tl.load(cos_ptr + t * (R // 2) + i)
+    sin = tl.load(sin_ptr + t * (R // 2) + i)
+    tl.store(row + C + 2 * i, _rotate(x1, x2, cos, sin, True).to(tl.bfloat16))
+    tl.store(row + C + 2 * i + 1, _rotate(x1, x2, cos, sin, False).to(tl.bfloat16))
+
+
+def store_latent(kv, k_pe, norm_weight, eps, cos, sin, cache, slots):
+    """Kernel of nano_nsa.store_latent: MLA's cache write, one launch."""
+    T, C = kv.shape
+    R = k_pe.shape[1]
+    assert kv.stride(1) == 1 and k_pe.stride(1) == 1
+    if T:
+        _store_latent_kernel[(T,)](
+            kv,
+            k_pe,
+            norm_weight,
+            cos,
+            sin,
+            slots,
+            cache.latent,
+            kv.stride(0),
+            k_pe.stride(0),
+            eps,
+            C=C,
+            C_PAD=triton.next_power_of_2(C),
+            R=R,
+            num_warps=4,
+            enable_fp_fusion=False,
+        )
+
+
+@triton.jit
+def _index_quant_kernel(
+    x_ptr,
+    cos_ptr,
+    sin_ptr,
+    had_ptr,
+    q_ptr,
+    s_ptr,
+    M,
+    heads,
+    x_stride,
+    norm,
+    R: tl.constexpr,
+    J: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+):
+    """BLOCK_M rows (row r: token r // heads): RoPE on the first R dims (half-split pairs), rounded to bf16;
+    the Hadamard transform as one tensor-core product with the +-1 Sylvester matrix (exact bf16 products,
+    fp32 sums), times n^-0.5, rounded to bf16; then FP8 with one pow2 scale per row."""
+    r = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    valid = r < M
+    r = r.to(tl.int64)
+    t = r // heads
+    c = tl.arange(0, J)
+    rot = c < R
+    half = c < R // 2
+    partner = tl.where(half, c + R // 2, c - R // 2)
+    x = tl.load(x_ptr + r[:, None] * x_stride + c[None, :], mask=valid[:, None], other=0.0).to(tl.float32)
+    pair_mask = valid[:, None] & rot[None, :]
+    xp = tl.load(x_ptr + r[:, None] * x_stride + partner[None, :], mask=pair_mask, other=0.0).to(tl.float32)
+    i = c % (R // 2)
+    cos = tl.load(cos_ptr + t[:, None] * (R // 2) + i[None, :], mask=pair_mask, other=0.0)
+    sin = tl.load(sin_ptr + t[:, None] * (R // 2) + i[None, :], mask=pair_mask, other=0.0)
+    first = _rotate(x, xp, cos, sin, True)  # x is the pair's first element
+    second = _rotate(xp, x, cos, sin, False)  # x is the second
+    y = tl.where(half[None, :], first, tl.where(rot[None, :], second, x)).to(tl.bfloat16)
+    had = tl.load(had_ptr + c[:, None] * J + c[None, :])
+    h = (tl.dot(y, had) * norm).to(tl.bfloat16).to(tl.float32)
+    q, s = _pow2_quant(h)
+    tl.store(q_ptr + r[:, None] * J + c[None, :], q, mask=valid[:, None])
+    tl.store(s_ptr + r, s, mask=valid)
+
+
+_SYLVESTER = {}  # (n, device): the n x n +-1 Sylvester-Hadamard matrix
+
+
+def index_quant(x, cos, sin):
+    """Kernel of nano_nsa.index_quant: x [T, J] (keys) or [T, I, J] (queries) -> (q8 like x, s [..., 1]), one
+    launch. (The reference's 7-stage butterfly is ~30 small kernels.)"""
+    J = x.shape[-1]
+    if (J, x.device) not in _SYLVESTER:  # built at the first (eager) call, before any graph capture
+        h = torch.ones(1, 1)
+        while h.shape[0] < J:
+            h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)])
+        _SYLVESTER[J, x.device] = h.to(device=x.device, dtype=BF16)  # symmetric: x @ H = x @ H^T
+    x2 = x.reshape(-1, J)
+    if x2.stride(-1) != 1:
+        x2 = x2.contiguous()
+    M = x2.shape[0]
+    heads = M // max(x.shape[0], 1)
+    q = torch.empty(M, J, dtype=torch.float8_e4m3fn, device=x.device)
+    s = torch.empty(M, dtype=torch.float32, device=x.device)
+    BLOCK_M = 16
+    if M:
+        _index_quant_kernel[(triton.cdiv(M, BLOCK_M),)](
+            x2,
+            cos,
+            sin,
+            _SYLVESTER[J, x.device],
+            q,
+            s,
+            M,
+            heads,
+            x2.stride(0),
+            J**-0.5,
+            R=2 * cos.shape[-1],
+            J=J,
+            BLOCK_M=BLOCK_M,
+            num_warps=4,
+            enable_fp_fusion=False,
+        )
+    return q.view(x.shape), s.view(*x.shape[:-1], 1)
+
+
+# ------------------------------------------------------------------------------------------------------------
 # The kernel set: the same names and signatures as nano_nsa.TORCH_OPS
 # ------------------------------------------------------------------------------------------------------------
 def bf16_dtype(w):
@@ -643,9 +1029,13 @@ GPU_OPS = SimpleNamespace(
     sparse_mla=sparse_mla,
     dense_attention=dense_attention,
     head_linear=head_linear,
+    rope=rope,
+    store_latent=store_latent,
     rms_norm=rms_norm,
     fp8_linear=fp8_linear,
+    swiglu_linear=swiglu_linear,
     dense_linear=dense_linear,
+    route=route,
     moe=moe,
     dequantize_fp8=False,
     attn_dtype=bf16_dtype,

@@ -424,7 +424,8 @@ HF_TO_OURS = {
     "e_score_correction_bias": "bias",
 }
 MTP_OWN = {"embed_tokens", "enorm", "hnorm", "eh_proj", "shared_head"}  # MTP-layer names outside its block
-EXPERT = re.compile(r"(.*\.experts)\.(\d+)\.(w[123])\.(weight|scale)$")
+EXPERT = re.compile(r"(.*\.experts)\.(\d+)\.(w[123])\.(weight|scale)$")  # a routed expert's: stacked
+HALF = re.compile(r"(.*)\.(w[13])\.(weight|scale)$")  # gate_proj / up_proj: the two halves of w13
 
 
 def ours_name(cfg: Config, hf_name: str) -> str:
@@ -503,6 +504,13 @@ def fp8_linear(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, partial=Fa
     if partial:
         return y
     return y.to(BF16)
+
+
+def swiglu_linear(h, w, scale, partial=False):
+    """SwiGLU's down projection: fp8_linear of silu(gate) * up for h = [gate | up] [..., 2I], the activation
+    in fp32 rounded to bf16 (as the reference's silu(w1 x) * w3 x)."""
+    inter = h.shape[-1] // 2
+    return fp8_linear((F.silu(h[..., :inter].float()) * h[..., inter:].float()).to(BF16), w, scale, partial)
 
 
 def dense_linear(x, w):
@@ -739,8 +747,11 @@ class LayerCache:
 
 
 # ---- Lightning indexer (DSA): picks the top-K context positions for every query row (spec 3.7) -------------
-def index_quant(x):
-    """The indexer's q and k before scoring: Hadamard, then FP8 with one power-of-two scale per 128-vector."""
+def index_quant(x, cos, sin):
+    """The indexer's q [T, I, J] or k [T, J] before scoring: RoPE on the FIRST R dims (half-split pairs,
+    unlike MLA), Hadamard, then FP8 with one pow2 scale per 128-vector -> (fp8 like x, scales [..., 1])."""
+    R = 2 * cos.shape[-1]
+    x = torch.cat([rope(x[..., :R], cos, sin, interleaved=False), x[..., R:]], -1)
     return act_quant(hadamard(x))
 
 
@@ -796,7 +807,9 @@ class Indexer(nn.Module):
         """-> [T, min(K, N)] selected context positions per row (-1 = none), or None for a dense prompt chunk.
         Writes this pass's keys first, so every row can select its own token."""
         cfg, T = self.cfg, x.shape[0]
-        k8, ks = self.rope_and_quant(self.k_norm(self.wk(x).float()).to(BF16), cos, sin)  # [T, J] fp8, [T, 1]
+        k8, ks = self.ops.index_quant(
+            self.k_norm(self.wk(x).float()).to(BF16), cos, sin
+        )  # [T, J] fp8, [T, 1]
         cache.ik[meta.slots] = k8
         cache.iks[meta.slots] = ks[:, 0]
         if meta.dense(cfg.index_topk):  # the whole context is selected: only the keys are needed
@@ -805,23 +818,19 @@ class Indexer(nn.Module):
             n = torch.arange(meta.max_ctx, device=x.device)
             return torch.where(n < meta.ctx_lens[:, None], n, -1)
         q = self.wq_b(qr).view(T, cfg.index_n_heads, cfg.index_head_dim)
-        q8, qs = self.rope_and_quant(q, cos, sin)  # [T, I, J] fp8, [T, I, 1]
+        q8, qs = self.ops.index_quant(q, cos, sin)  # [T, I, J] fp8, [T, I, 1]
         scale = cfg.index_n_heads**-0.5 * cfg.index_head_dim**-0.5
         head_weights = self.weights_proj(x) * scale * qs[..., 0]  # [T, I]
         return self.ops.index_topk(q8, head_weights, cache, meta, cfg.index_topk)
 
-    def rope_and_quant(self, t, cos, sin):
-        """RoPE on the FIRST R dims (half-split pairs, unlike MLA), then Hadamard and FP8."""
-        R = self.cfg.qk_rope_head_dim
-        t = torch.cat([rope(t[..., :R], cos, sin, interleaved=False), t[..., R:]], -1)
-        return self.ops.index_quant(t)
-
 
 # ---- MLA: multi-head latent attention over the indexer's selection (spec 3.6, 3.8) -------------------------
-def sparse_mla(q_abs, q_pe, cache: LayerCache, slots, meta: Meta, scale):
+def sparse_mla(q_abs, q_pe, cache: LayerCache, selected, meta: Meta, scale):
     """Absorbed ("MQA") sparse attention, one query row per token: the reference of the sparse MLA decode
-    kernel. q_abs [T, H, C] (q_nope already multiplied into the latent space), q_pe [T, H, R]; slots [T, K]
-    each row's selected KV-pool slots (-1 = none; the valid ones first) -> o_lat [T, H, C] fp32."""
+    kernel. q_abs [T, H, C] (q_nope already multiplied into the latent space), q_pe [T, H, R]; selected [T,
+    K] each row's selected context positions (-1 = none; the valid ones first) -> o_lat [T, H, C] fp32."""
+    slots = meta.table[meta.row_req[:, None], selected.clamp(min=0)]
+    slots = torch.where(selected >= 0, slots, -1)  # [T, K] KV-pool slots
     acc = acc_dtype(q_abs)
     kv = cache.kv[slots.clamp(min=0)].to(acc)  # [T, K, C]
     pe = cache.pe[slots.clamp(min=0)].to(acc)  # [T, K, R]
@@ -843,6 +852,15 @@ def head_linear(x, w):
     """One linear map per head (MLA's absorbed W_UK and W_UV): x [T, H, K], w [H, N, K] -> [T, H, N] in w's
     dtype (the reference of the kernel's fixed-order GEMM)."""
     return torch.einsum("thk,hnk->thn", x.to(w.dtype), w)
+
+
+def store_latent(kv, k_pe, norm_weight, eps, cos, sin, cache: LayerCache, slots):
+    """MLA's cache write for this pass's tokens (the reference of its kernel): the latent kv [T, C]
+    RMS-normalized (kv_norm) and rounded through FP8 as the official cache stores it (1x128 groups, kept as
+    the exact bf16 values), and the rope key k_pe [T, R] rotated, into the cache rows `slots`."""
+    latent = rms_norm(kv, None, norm_weight, eps)
+    cache.kv[slots] = act_dequant(*act_quant(latent)).to(BF16)
+    cache.pe[slots] = rope(k_pe, cos, sin, interleaved=True)
 
 
 class MLA(nn.Module):
@@ -873,11 +891,9 @@ class MLA(nn.Module):
         H, D, R, C = cfg.n_heads // tp_size(), cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.kv_lora_rank
         qr = self.q_norm(self.wq_a(x))  # [T, q_lora]; shared with the indexer
         q_nope, q_pe = self.wq_b(qr).view(T, H, D + R).split([D, R], -1)  # [T, H, D], [T, H, R]
-        q_pe = rope(q_pe, cos, sin, interleaved=True)
+        q_pe = self.ops.rope(q_pe, cos, sin, interleaved=True)
         kv, k_pe = self.wkv_a(x).split([C, R], -1)  # [T, C], [T, R]
-        # cached as FP8 ([R] simulates)
-        cache.kv[meta.slots] = act_dequant(*act_quant(self.kv_norm(kv))).to(BF16)
-        cache.pe[meta.slots] = rope(k_pe, cos, sin, interleaved=True)
+        self.ops.store_latent(kv, k_pe, self.kv_norm.weight, self.kv_norm.eps, cos, sin, cache, meta.slots)
         selected = self.indexer(x, qr, cos, sin, meta, cache)  # [T, K'] context positions, -1 = none
         if selected is None:  # prompt chunks within top-k: dense causal attention, per head
             o = self.attend_chunks(q_nope, q_pe, meta, cache)
@@ -889,9 +905,7 @@ class MLA(nn.Module):
         """Absorbed form: q_nope moves into the latent space through W_UK, attention runs over the selected
         latents, and W_UV maps the result back to per-head values: [T, H, V]."""
         q_abs = self.ops.head_linear(q_nope, self.w_uk)  # absorb W_UK: [T, H, C]
-        slots = meta.table[meta.row_req[:, None], selected.clamp(min=0)]
-        slots = torch.where(selected >= 0, slots, -1)  # [T, K'] KV-pool slots
-        o_lat = self.ops.sparse_mla(q_abs, q_pe, cache, slots, meta, self.cfg.softmax_scale)
+        o_lat = self.ops.sparse_mla(q_abs, q_pe, cache, selected, meta, self.cfg.softmax_scale)
         return self.ops.head_linear(o_lat, self.w_uv)  # absorb W_UV: [T, H, V]
 
     def attend_chunks(self, q_nope, q_pe, meta, cache):
@@ -917,17 +931,18 @@ class MLA(nn.Module):
 
 # ---- Feed-forward: SwiGLU MLP and the sigmoid-routed, group-limited MoE (spec 3.4, 3.9) --------------------
 class MLP(nn.Module):
-    """SwiGLU; a rank holds inter_dim / ranks of it: its output is an unrounded part of the sum (Block adds
-    them)."""
+    """SwiGLU, w2(silu(x W1) * x W3), with W1 | W3 stacked in one weight w13 (one product; see load_target).
+    A rank holds inter_dim / ranks of it: its output is an unrounded part of the sum (Block adds them)."""
+
+    ops = None  # bound once by Transformer.bind (swiglu_linear)
 
     def __init__(self, dim, inter_dim):
         super().__init__()
-        self.w1 = Linear(dim, inter_dim, split="col")
-        self.w3 = Linear(dim, inter_dim, split="col")
+        self.w13 = Linear(dim, 2 * inter_dim, split="col")  # gate_proj | up_proj: [2I, dim]
         self.w2 = Linear(inter_dim, dim, split="row")
 
     def forward(self, x):
-        return self.w2((F.silu(self.w1(x).float()) * self.w3(x).float()).to(BF16))
+        return self.ops.swiglu_linear(self.w13(x), *self.w2.fp8_operands(), partial=True)
 
 
 def top_indices(x, k):
@@ -936,11 +951,27 @@ def top_indices(x, k):
     return x.sort(dim=-1, descending=True, stable=True).indices[..., :k]
 
 
-class Gate(nn.Module):
-    """Sigmoid scores; the bias only steers selection: top groups by the sum of their top-2 biased scores,
-    then top-A experts inside them; weights are the unbiased scores, renormalized, times route_scale."""
+def route(logits, bias, groups, top_groups, top_experts, scale):
+    """The router's choice from its logits [T, E] (the reference of the router kernel): sigmoid scores; the
+    bias only steers selection: the top_groups groups with the largest sum of their top-2 biased scores, then
+    the top_experts experts inside them; weights are the unbiased scores, renormalized, times scale. ->
+    (routing weights [T, A] fp32, expert indices [T, A])."""
+    T = logits.shape[0]
+    scores = logits.sigmoid()  # [T, E] fp32
+    biased = (scores + bias).view(T, groups, -1)  # [T, G, E/G]
+    group_score = biased.topk(2, dim=-1).values.sum(-1)  # [T, G]
+    keep = top_indices(group_score, top_groups)  # the kept groups
+    drop = torch.ones_like(group_score, dtype=torch.bool).scatter_(1, keep, False)
+    biased = biased.masked_fill(drop[..., None], float("-inf")).flatten(1)
+    experts = top_indices(biased, top_experts)  # [T, A]
+    weights = scores.gather(1, experts)
+    return weights / weights.sum(-1, keepdim=True) * scale, experts
 
-    ops = None  # bound once by Transformer.bind (its product is a dense_linear)
+
+class Gate(nn.Module):
+    """The router: a bf16 product (exact: bf16 x and weight, fp32 sums), then `route`."""
+
+    ops = None  # bound once by Transformer.bind (dense_linear, route)
 
     def __init__(self, cfg: Config):
         super().__init__()
@@ -950,16 +981,16 @@ class Gate(nn.Module):
 
     def forward(self, x):
         """-> (routing weights [T, A] fp32, expert indices [T, A])."""
-        cfg, T = self.cfg, x.shape[0]
-        scores = self.ops.dense_linear(x, self.weight).sigmoid()  # [T, E] fp32 (bf16 x and weight: exact)
-        biased = (scores + self.bias).view(T, cfg.n_expert_groups, -1)  # [T, G, E/G]
-        group_score = biased.topk(2, dim=-1).values.sum(-1)  # [T, G]
-        keep = top_indices(group_score, cfg.n_limited_groups)  # the kept groups
-        drop = torch.ones_like(group_score, dtype=torch.bool).scatter_(1, keep, False)
-        biased = biased.masked_fill(drop[..., None], float("-inf")).flatten(1)
-        experts = top_indices(biased, cfg.n_activated_experts)  # [T, A]
-        weights = scores.gather(1, experts)
-        return weights / weights.sum(-1, keepdim=True) * cfg.route_scale, experts
+        cfg = self.cfg
+        logits = self.ops.dense_linear(x, self.weight)  # [T, E] fp32
+        return self.ops.route(
+            logits,
+            self.bias,
+            cfg.n_expert_groups,
+            cfg.n_limited_groups,
+            cfg.n_activated_experts,
+            cfg.route_scale,
+        )
 
 
 def moe_experts(x, weights, idx, w13, s13, w2, s2):
@@ -967,12 +998,10 @@ def moe_experts(x, weights, idx, w13, s13, w2, s2):
     the tokens that chose it, summed with their routing weights in fp32. x [T, dim] bf16; weights, idx [T,
     A]; w13 [E, 2I, dim] (w1 | w3 fused), w2 [E, dim, I] FP8 with their block scales -> [T, dim] fp32."""
     y = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
-    inter = w2.shape[2]
     for e in idx[idx < len(w13)].unique().tolist():  # expert order 0..E-1; idx E: another rank's, skipped
         tok, choice = (idx == e).nonzero(as_tuple=True)
         h = fp8_linear(x[tok], w13[e], expert_scale(s13, e))  # [n, 2I] bf16
-        h = (F.silu(h[:, :inter].float()) * h[:, inter:].float()).to(BF16)
-        y[tok] += fp8_linear(h, w2[e], expert_scale(s2, e)).float() * weights[tok, choice, None]
+        y[tok] += swiglu_linear(h, w2[e], expert_scale(s2, e)).float() * weights[tok, choice, None]
     return y
 
 
@@ -1002,9 +1031,12 @@ class MoE(nn.Module):
         output to bf16 first)."""
         weights, idx = self.gate(x)  # [T, A] each (replicated)
         w13, w2 = self.experts.w13, self.experts.w2
-        E = w13.weight.shape[0]
-        first = tp_rank() * E  # this rank holds experts first .. first + E - 1
-        idx = torch.where((idx >= first) & (idx < first + E), idx - first, E)  # E: another rank's, skipped
+        if tp_size() > 1:
+            E = w13.weight.shape[0]
+            first = tp_rank() * E  # this rank holds experts first .. first + E - 1
+            idx = torch.where(
+                (idx >= first) & (idx < first + E), idx - first, E
+            )  # E: another rank's, skipped
         routed = self.ops.moe(x, weights, idx, *w13.fp8_operands(), *w2.fp8_operands())
         return routed + self.shared_experts(x)
 
@@ -1146,9 +1178,13 @@ TORCH_OPS = SimpleNamespace(
     sparse_mla=sparse_mla,  # absorbed sparse attention, one row per token   (MLA: decode/verify/long)
     dense_attention=dense_attention,  # causal per-head attention of short prompts  (MLA: prefill)
     head_linear=head_linear,  # one linear map per head: W_UK, W_UV absorbed  (MLA: sparse rows)
+    rope=rope,  # rotary embedding of MLA's queries                            (MLA)
+    store_latent=store_latent,  # MLA's cache write: norm, FP8 round trip, rope  (MLA)
     rms_norm=rms_norm,  # RMSNorm, with the residual add fused                   (RMSNorm)
     fp8_linear=fp8_linear,  # act-quant + block-scaled FP8 GEMM                (Linear)
+    swiglu_linear=swiglu_linear,  # SwiGLU's activation, then fp8_linear       (MLP)
     dense_linear=dense_linear,  # bf16/fp32 weights: lm_head, weights_proj, eh_proj (Linear)
+    route=route,  # the router after its product: group-limited top-k, weights (Gate)
     moe=moe_experts,  # routed experts, grouped, weighted sum               (MoE)
     dequantize_fp8=True,  # FP8 weights dequantized once at load when small enough (DEQUANTIZE_AT_LOAD_BYTES)
     attn_dtype=acc_dtype,  # dtype of wkv_b's absorbed halves (exact: pow2-scaled FP8 fits bf16)
@@ -1315,22 +1351,27 @@ def open_checkpoint(path) -> Config:
 
 
 def load_target(params, cfg: Config, hf_name: str):
-    """The model tensor a checkpoint tensor is loaded into: its parameter, or a routed expert's slice of
-    the stacked weights (gate_proj -> w13[e, :I], up_proj -> w13[e, I:], down_proj -> w2[e]); None for
-    another rank's expert."""
+    """The model tensor a checkpoint tensor is loaded into: its parameter, or a slice of a stacked one:
+    gate_proj -> w13[:I] and up_proj -> w13[I:] (every SwiGLU MLP's, one product), a routed expert's at its
+    index in this rank's stack (w13[e], w2[e]); None for another rank's expert."""
     key = ours_name(cfg, hf_name)
-    hit = EXPERT.match(key)
-    if not hit:
-        return params[key]
-    base, expert, w, kind = hit.groups()
-    stack = params[f"{base}.{'w2' if w == 'w2' else 'w13'}.{kind}"]  # [E_r, ...]: this rank's experts
-    e = int(expert) - tp_rank() * len(stack)
-    if not 0 <= e < len(stack):
-        return None
-    if w == "w2":
-        return stack[e]
-    rows = cfg.moe_inter_dim // (BLOCK if kind == "scale" else 1)
-    return stack[e].narrow(0, rows if w == "w3" else 0, rows)
+    expert = EXPERT.match(key)
+    if expert:  # e.g. layers.3.ffn.experts.5.w1.weight -> layers.3.ffn.experts.w1.weight, index 5 - first
+        key = f"{expert[1]}.{expert[3]}.{expert[4]}"
+        per_rank = cfg.n_routed_experts // tp_size()
+        index = int(expert[2]) - tp_rank() * per_rank
+        if not 0 <= index < per_rank:
+            return None
+    half = HALF.match(key)
+    if half:
+        key = f"{half[1]}.w13.{half[3]}"
+    target = params[key]
+    if expert:
+        target = target[index]
+    if half:
+        rows = target.shape[0] // 2
+        target = target.narrow(0, rows if half[2] == "w3" else 0, rows)
+    return target
 
 
 def load_model(path, device="cpu", kernels="auto", cfg=None) -> Transformer:

@@ -190,8 +190,8 @@ def test_full_checkpoint_names_and_shapes():
 
 def test_full_width_model_matches_checkpoint_table():
     """The module tree built for the 671B config (on the meta device: no memory) has exactly the checkpoint's
-    tensors under the name mapping, with the same shapes; the routed experts' tensors fill their stacked
-    parameters (w1 | w3 -> w13, w2) exactly, element for element."""
+    tensors under the name mapping, with the same shapes; the routed experts' tensors and every MLP's w1 / w3
+    fill their stacked parameters (w1 | w3 -> w13, w2) exactly, element for element."""
     cfg = m.Config.full()
     with torch.device("meta"):
         model = m.Transformer(cfg)
@@ -199,9 +199,8 @@ def test_full_width_model_matches_checkpoint_table():
     filled = dict.fromkeys(params, 0)
     for k, (shape, _kind) in m.checkpoint_tensors(cfg).items():
         assert list(m.load_target(params, cfg, k).shape) == shape, k
-        owner = m.EXPERT.sub(
-            lambda h: f"{h[1]}.{'w2' if h[3] == 'w2' else 'w13'}.{h[4]}", m.ours_name(cfg, k)
-        )
+        owner = m.EXPERT.sub(lambda h: f"{h[1]}.{h[3]}.{h[4]}", m.ours_name(cfg, k))
+        owner = m.HALF.sub(lambda h: f"{h[1]}.w13.{h[3]}", owner)
         filled[owner] += math.prod(shape)
     assert filled == {k: p.numel() for k, p in params.items()}
 
