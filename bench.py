@@ -1,12 +1,12 @@
 """bench.py: nano-nsa measured on a GPU. Prints the device, a table per part, and one JSON line at the end.
 
   python bench.py decode --layers 9 --mtp 0 1 3  # full width, batch 1-64, context 1K-128K, MTP off / on
-  python bench.py baseline                       # HF transformers vs nano-nsa on the same checkpoints
   python bench.py demo                           # the trained demo model: speculative decoding vs none
 
 Runs under torchrun too; random FP8 weights are built on the GPU. Retired, their numbers in README.md and
 docs/benchmarks.md: `fp8` (FP8 kernel micro-benchmarks) and the verify-attention comparison, in bench.py at
-commit 7ef31db; scaled_mm at fea361d; attention micro-benchmarks, checkpoint I/O, 32K prompts at 4a9f43d.
+commit 7ef31db; scaled_mm at fea361d; attention micro-benchmarks, checkpoint I/O, 32K prompts at 4a9f43d;
+`baseline` (HF transformers vs nano-nsa) at 66e33bf.
 """
 
 import argparse
@@ -21,7 +21,7 @@ import time
 import torch
 
 import nano_nsa as m
-from tools.checkpoint import random_model, save_random_checkpoint, write_byte_tokenizer, write_json
+from tools.checkpoint import random_model, write_byte_tokenizer
 
 
 def cuda_time(fn, warmup=3, iters=20):
@@ -201,6 +201,28 @@ def profile_replay(fn, n_layers, top=12):
     return dict(kernels=n, kernel_ms=ms, top=rows)
 
 
+def round_profile(llm, ctx, round_ms):
+    """Kernels of one whole bs=1 decode round (graph replays and the engine's own work), per main-model layer
+    (the verify graph's share), and the GPU's idle fraction: 1 - kernel time / round time."""
+    reqs = decode_batch(llm, 1, ctx, 4)
+    ev = kernel_events(lambda: llm.runner.decode_round(reqs))
+    verify = kernel_events(lambda: llm.runner.forward("verify", *verify_inputs(llm, reqs, ctx)))
+    llm.pool.release(reqs[0])
+    busy_ms = sum(e.device_time_total for e in ev) / 1e3
+    per_layer = sum(e.count for e in verify) / llm.cfg.n_layers
+    res = dict(round_kernels=sum(e.count for e in ev), kernels_per_layer=per_layer, busy_ms=busy_ms)
+    res.update(round_ms=round_ms, idle=max(0.0, 1 - busy_ms / round_ms))
+    print(f"bs=1 round: {res}", flush=True)
+    return res
+
+
+def verify_inputs(llm, reqs, ctx):
+    """(tokens, meta) of a verify step of reqs at context ctx."""
+    k = llm.num_draft
+    tokens = torch.randint(6, llm.cfg.vocab_size, (len(reqs) * (k + 1),), device="cuda")
+    return tokens, verify_meta(llm, reqs, [ctx] * len(reqs), k)
+
+
 def metadata_point(llm, k, bs, ctx):
     """Host ms and kernels of a step's metadata (Meta.build), its shift for a draft step, and
     a round's cost with it built once per step vs per layer and per draft step."""
@@ -292,6 +314,7 @@ def decode_mtp(args, model, tok_dir, k, points, bw, extra):
         rows.append(row)
         if bs == 1 and ctx == points[0][1]:
             extra[f"profile_mtp{k}"] = profile_replay(replay, model.cfg.n_layers)
+            extra[f"round_mtp{k}"] = round_profile(llm, ctx, row["round_ms"])
     graphs = llm.graphs
     llm.runner.graphs = None  # CUDA graphs vs eager, bs=1 at the first context
     eager_ms, _ = time_rounds(llm, 1, args.contexts[0], rounds=4)
@@ -342,102 +365,25 @@ def decode(args, out):
     )
     eager = [(key, *v.values()) for key, v in extra.items() if key.startswith("eager")]
     table("CUDA graphs vs eager (bs=1)", "what | eager ms | graphs ms | capture s | graphs", eager)
+    rounds = [(key, *v.values()) for key, v in extra.items() if key.startswith("round_mtp")]
+    header = (
+        "what | kernels in the round | kernels per layer (verify graph) | kernel ms | round ms | GPU idle"
+    )
+    table("One bs=1 decode round", header, rounds)
+    plain = {(r["bs"], r["ctx"]): r["round_ms"] for r in res if r["mtp"] == 0}
+    ratios = [
+        (r["mtp"], r["bs"], r["ctx"], r["round_ms"] / plain[r["bs"], r["ctx"]]) for r in res if r["mtp"]
+    ]
+    table(
+        "MTP round / plain round (same run)",
+        "mtp | bs | ctx | ratio",
+        [r for r in ratios if (r[1], r[2]) in plain],
+    )
     extra["peak_gib"] = torch.cuda.max_memory_allocated() / 2**30
     extra["kv_bytes_per_token"] = per_token
     print(f"peak GPU memory {extra['peak_gib']:.1f} GiB, KV {per_token} B/token")
     out["decode"] = res
     out["decode_extra"] = extra
-
-
-def hf_loadable(path):
-    """HF's FP8 dequantization refuses kv_a_proj_with_mqa (576 rows, a partial 128-block as in the official
-    checkpoint): store it dequantized to bf16 and tell HF not to convert it; the rest stays as written."""
-    from safetensors.torch import load_file, save_file
-
-    index = os.path.join(path, "model.safetensors.index.json")
-    idx = m.read_json(index)
-    for shard in sorted({f for n, f in idx["weight_map"].items() if n.endswith("kv_a_proj_with_mqa.weight")}):
-        ts = load_file(os.path.join(path, shard))
-        for n in [n for n in ts if n.endswith("kv_a_proj_with_mqa.weight")]:
-            ts[n] = m.weight_dequant(ts[n], ts.pop(n + "_scale_inv")).to(m.BF16)
-            del idx["weight_map"][n + "_scale_inv"]
-        save_file(ts, os.path.join(path, shard), metadata={"format": "pt"})
-    config = os.path.join(path, "config.json")
-    hf = m.read_json(config)
-    hf["quantization_config"]["modules_to_not_convert"] = ["kv_a_proj_with_mqa"]
-    write_json(index, idx)
-    write_json(config, hf)
-
-
-def ours_generate(path, prompts, n):
-    """nano-nsa, greedy, no MTP, n tokens each: {bs: (token ids, tokens/s)} at batch 1 and 16."""
-    llm = m.LLM(path, device="cuda", mtp=0, kv_cache_bytes=2 << 30)
-    llm.cfg.eos_token_id = -1  # n tokens each, as min_new_tokens in hf_generate
-    ours = {}
-    for bs in (1, 16):
-        llm.generate(prompts[:bs], max_new_tokens=2)
-        t0 = time.perf_counter()
-        toks = [r.token_ids for r in llm.generate(prompts[:bs], max_new_tokens=n)]
-        ours[bs] = toks, bs * n / (time.perf_counter() - t0)
-    del llm  # (its KV pool and CUDA graphs, before the next)
-    gc.collect()
-    torch.cuda.empty_cache()
-    return ours
-
-
-def hf_generate(hf, prompts, n):
-    """HF generate, greedy, exactly n tokens each -> (token ids, tokens/s)."""
-    ids = torch.tensor(prompts, device="cuda")
-    kw = dict(attention_mask=torch.ones_like(ids), max_new_tokens=n, min_new_tokens=n, do_sample=False)
-    hf.generate(ids, **{**kw, "max_new_tokens": 2, "min_new_tokens": 2})
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    theirs = hf.generate(ids, **kw)[:, ids.shape[1] :].tolist()  # (tolist waits for the GPU)
-    return theirs, len(prompts) * n / (time.perf_counter() - t0)
-
-
-def compare(name, cfg, path, n):
-    """The baseline rows of one checkpoint, written to `path`."""
-    import transformers
-
-    save_random_checkpoint(path, cfg, device="cuda")
-    g = torch.Generator().manual_seed(0)
-    prompts = [torch.randint(6, 250, (32,), generator=g).tolist() for _ in range(16)]
-    ours = ours_generate(path, prompts, n)
-    hf_loadable(path)
-    fp8 = transformers.FineGrainedFP8Config(dequantize=True)
-    opts = dict(device_map="cuda", dtype=torch.bfloat16, quantization_config=fp8)
-    hf = transformers.AutoModelForCausalLM.from_pretrained(path, **opts)
-    rows = []
-    for bs in (1, 16):
-        theirs, hf_tok_s = hf_generate(hf, prompts[:bs], n)
-        ours_toks, ours_tok_s = ours[bs]
-        equal = torch.tensor(ours_toks) == torch.tensor(theirs)  # [bs, n]
-        agree = equal.int().cumprod(1).sum(1).tolist()  # leading equal tokens of each request
-        row = dict(model=name, bs=bs, hf_tok_s=hf_tok_s, ours_tok_s=ours_tok_s, speedup=ours_tok_s / hf_tok_s)
-        row.update(leading_equal=f"{statistics.mean(agree):.1f}/{n}", all_equal=sum(a == n for a in agree))
-        rows.append(row)
-        print(row, flush=True)
-    return rows
-
-
-def baseline(args, out):
-    """HF transformers vs nano-nsa on the tiny and the full-width 2-layer checkpoint, greedy, no MTP: tokens/s
-    at batch 1 and 16, token agreement. HF loads the FP8 weights dequantized (its FP8 kernels need a hub)."""
-    import transformers
-
-    res = []
-    for name, cfg in (("tiny", m.Config.tiny()), ("full-width 2 layers", m.Config.full(n_layers=2))):
-        with tempfile.TemporaryDirectory() as path:
-            res += compare(name, cfg, path, args.new_tokens)
-        torch.cuda.empty_cache()
-    table(
-        f"HF transformers {transformers.__version__} (bf16, dequantized at load) vs nano-nsa (FP8 kernels, "
-        f"CUDA graphs), greedy, {args.new_tokens} new tokens after a 32-token prompt",
-        "model | bs | HF tok/s | nano-nsa tok/s | speedup | mean leading equal tokens | requests all equal",
-        [tuple(r.values()) for r in res],
-    )
-    out["baseline"] = res
 
 
 def demo(args, out):
@@ -469,14 +415,13 @@ def demo(args, out):
     out["demo"] = res
 
 
-MODES = dict(decode=decode, baseline=baseline, demo=demo)
+MODES = dict(decode=decode, demo=demo)
 
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("what", choices=list(MODES), nargs="+")
     ap.add_argument("--layers", type=int, default=9, help="main-model layers of Config.full (decode)")
-    ap.add_argument("--new-tokens", type=int, default=32)
     ap.add_argument("--mtp", type=int, nargs="+", default=[0, 1, 3])
     ap.add_argument("--batch", type=int, nargs="+", default=[1, 4, 16, 64])
     ap.add_argument("--contexts", type=int, nargs="+", default=[1024, 32768])

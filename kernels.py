@@ -12,8 +12,8 @@ the set `nano_nsa.select_ops` binds on a GPU that `unsupported()` accepts.
   head_linear     a linear map per head (MLA's absorbed W_UK, W_UV): the grouped Triton GEMM
   rope, store_latent   MLA's query rotation; its cache write (norm, FP8 round trip, rotation), one launch
   rms_norm        RMSNorm (with the residual add): Triton, one program per row
-  fp8_linear      block-scaled FP8 GEMM (split-K by weight shape, summed in order in the kernel), act-quant
-                  (1x128, pow2 scales) inside it for decode-sized inputs; swiglu_linear: with SwiGLU too
+  fp8_linear      Triton act-quant (1x128, pow2 scales) + block-scaled FP8 GEMM (split-K by weight shape,
+                  the partials summed in order by the tile's last program); swiglu_linear: SwiGLU in the quant
   dense_linear    bf16 weights with fp32 accumulation (lm_head, weights_proj, eh_proj, router): Triton GEMM
   route           the router after its product (sigmoid, group-limited top-k, weights): one launch
   moe             routed experts: GPU-side sort by expert, two grouped FP8 GEMMs, ordered combine; no sync
@@ -340,7 +340,7 @@ def dense_attention(q, k, v, scale):
 @triton.jit
 def _pow2_quant(x):
     """x [rows, 128] fp32 -> (q e4m3, s [rows] fp32): scale = the power of two >= amax / 448 (ue8m0), q =
-    x / scale rounded to e4m3. Every FP8 activation (act_quant, the GEMM quantizing its own A) runs this."""
+    x / scale rounded to e4m3. Every FP8 activation (act_quant, the cached latent, the indexer) runs this."""
     s = tl.maximum(tl.max(tl.abs(x), 1), 1e-4) * (1.0 / 448.0)
     bits = s.to(tl.int32, bitcast=True)
     bits = tl.where((bits & 0x7FFFFF) != 0, ((bits >> 23) + 1) << 23, bits)  # round up to a power of two
@@ -372,7 +372,7 @@ def _act_quant_kernel(x_ptr, q_ptr, s_ptr, x_stride, K: tl.constexpr, NG: tl.con
 
 def act_quant(x, swiglu=False):
     """Kernel of nano_nsa.act_quant (bit-exact): x [..., K] -> (q [..., K] e4m3, s [..., K/128] fp32). swiglu:
-    of swiglu_activation(x) for x = [gate | up] [..., 2K]."""
+    of SwiGLU's activation silu(gate) * up (fp32, rounded to bf16) for x = [gate | up] [..., 2K]."""
     K = x.shape[-1] // (2 if swiglu else 1)
     x2 = x.reshape(-1, x.shape[-1])
     if x2.stride(-1) != 1:
@@ -400,7 +400,7 @@ def _gemm_kernel(
     N,
     K,
     a_stride,
-    A_MODE: tl.constexpr,
+    SCALED: tl.constexpr,
     GATHER: tl.constexpr,
     SCATTER: tl.constexpr,
     GROUPED: tl.constexpr,
@@ -409,12 +409,11 @@ def _gemm_kernel(
     BLOCK_N: tl.constexpr,
 ):
     """C[m, n] = sum over 128-wide k blocks of (A8[m, kb] . B8[n, kb]) * sa[m, kb] * sb[n // 128, kb], fp32.
-    A_MODE: "fp8" A8 and sa given; "quant" bf16 A quantized here, block by block, as act_quant would;
-    "swiglu" A = swiglu_activation of [gate | up] (row stride a_stride), then quantized; "bf16" bf16 A and
-    B without scales, C = A . B^T. GATHER: row m of A is rows[m] (-1: a padding row); SCATTER: and it is
-    written to row rows[m] of C. GROUPED: this block of M rows belongs to expert experts[pid_m] (-1: none)
-    and reads that expert's B. SPLIT_K > 1: program k sums the k blocks k, k + SPLIT_K, ... into its slice
-    of the partials [SPLIT_K, M, N]; the tile's last program to finish adds the slices in split order."""
+    SCALED=False: bf16 A and B without scales, C = A . B^T in fp32. GATHER: row m of A is rows[m] (-1: a
+    padding row); SCATTER: and it is written to row rows[m] of C. GROUPED: this block of M rows belongs to
+    expert experts[pid_m] (-1: none) and reads that expert's B. SPLIT_K > 1: program k sums the k blocks k,
+    k + SPLIT_K, ... into its slice of the partials [SPLIT_K, M, N]; the tile's last program to finish adds
+    the slices in split order."""
     pid_m, pid_n, pid_k = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -432,29 +431,22 @@ def _gemm_kernel(
         n_kb = tl.where(e >= 0, KB, 0)
         e = tl.maximum(e, 0).to(tl.int64)
         b_ptr += e * N * K
-        if A_MODE != "bf16":
+        if SCALED:
             bs_ptr += e * ((N + 127) // 128) * KB
     valid_n = offs_n < N
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for kb in range(pid_k, n_kb, SPLIT_K):
         k_ok = kb * 128 + kc < K
         a_mask = valid_m[:, None] & k_ok[None, :]
-        a_offs = rows[:, None] * a_stride + kb * 128 + kc[None, :]
-        a = tl.load(a_ptr + a_offs, mask=a_mask, other=0.0)
-        if A_MODE == "swiglu":
-            up = tl.load(a_ptr + a_offs + K, mask=a_mask, other=0.0)
-            a = _swiglu(a.to(tl.float32), up.to(tl.float32))
-        if A_MODE == "quant" or A_MODE == "swiglu":
-            a, sa = _pow2_quant(a.to(tl.float32))
-        if A_MODE == "fp8":
-            sa = tl.load(as_ptr + rows * KB + kb, mask=valid_m, other=0.0)
+        a = tl.load(a_ptr + rows[:, None] * a_stride + kb * 128 + kc[None, :], mask=a_mask, other=0.0)
         b_mask = valid_n[:, None] & k_ok[None, :]
         b = tl.load(b_ptr + offs_n[:, None].to(tl.int64) * K + kb * 128 + kc[None, :], mask=b_mask, other=0.0)
-        if A_MODE == "bf16":
-            acc = tl.dot(a, tl.trans(b), acc)
-        else:
+        if SCALED:
+            sa = tl.load(as_ptr + rows * KB + kb, mask=valid_m, other=0.0)
             sb = tl.load(bs_ptr + (offs_n // 128) * KB + kb, mask=valid_n, other=0.0)
             acc += tl.dot(a, tl.trans(b)) * sa[:, None] * sb[None, :]
+        else:
+            acc = tl.dot(a, tl.trans(b), acc)
     out_rows = offs_m.to(tl.int64)
     if SCATTER:
         out_rows = rows
@@ -469,36 +461,41 @@ def _gemm_kernel(
         lock = lock_ptr + pid_m * tl.num_programs(1) + pid_n
         if tl.atomic_add(lock, 1) == SPLIT_K - 1:  # (acq_rel: the other programs' partials are visible)
             total = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-            for s in range(SPLIT_K):
-                total += tl.load(part_ptr + s * M * N + tile, mask=mask, other=0.0, cache_modifier=".cg")
+            for s0 in range(0, SPLIT_K, 8):  # 8 loads in flight at a time, added in split order
+                for i in tl.static_range(8):
+                    part = part_ptr + (s0 + i) * M * N + tile
+                    total += tl.load(part, mask=mask & (s0 + i < SPLIT_K), other=0.0, cache_modifier=".cg")
             tl.store(c, total.to(c_ptr.dtype.element_ty), mask=mask)
             tl.atomic_xchg(lock, 0)  # ready for the next launch
 
 
 GEMM_BLOCK_M = 64  # one tile height for every M: a row's sums never depend on how many rows there are
-GEMM_BLOCK_N = 64
+GEMM_PROGRAMS = 256  # split-K aims at this many programs for one row tile (about 2 per SM of an H200)
 GEMM_PARTIAL_BYTES = 64 << 20  # bound on the split-K partials of one launch (long prefills run in parts)
-QUANT_IN_GEMM_ROWS = (
-    256  # up to this many rows the GEMM quantizes A itself (no act_quant launch); the same bits
-)
 GEMM_LOCKS = 1 << 16  # split-K tile counters, zero between launches
 _LOCKS = {}  # device -> the counters (made at the first, eager, call)
 
 
-def gemm_split(N, K):
-    """Split-K of an [N, K] weight, from its shape only (never from the number of rows, which would make a
-    row's sum order depend on the batch): enough programs to fill ~132 SMs at one row tile, at most 64 KB of
-    fp32 partials per row."""
-    return max(1, min(K // 128, 256 // triton.cdiv(N, GEMM_BLOCK_N), 16384 // N))
+def gemm_config(N, K, grouped=False):
+    """Tile width, split-K and pipeline depth of the GEMM with an [N, K] weight, from its shape only (never
+    from the number of rows, which would make a row's sum order depend on the batch). Split-K: enough
+    programs to fill the SMs at one row tile, at most 64 KB of fp32 partials per row; none for the grouped
+    GEMMs (their blocks of rows fill the SMs)."""
+    block_n = 64
+    split = 1
+    if not grouped:
+        split = max(1, min(K // 128, GEMM_PROGRAMS // triton.cdiv(N, block_n), 16384 // N))
+    return dict(BLOCK_N=block_n, SPLIT_K=split, num_warps=4, num_stages=3)
 
 
-def _gemm(a, sa, b, sb, M, N, a_mode, rows=None, experts=None, scatter=False, out_dtype=BF16):
-    """A [*, K] (rows picked by `rows` if given; a_mode as _gemm_kernel's A_MODE), B8 [N, K] or [E, N, K]
+def _gemm(a, sa, b, sb, M, N, rows=None, experts=None, scatter=False, out_dtype=BF16):
+    """A8 [*, K] (rows picked by `rows` if given), B8 [N, K] or [E, N, K]
     (with `experts` per block of GEMM_BLOCK_M rows) -> C [M, N] out_dtype (scatter: C [*, N] at rows
     `rows`), fp32 accumulation of each 128-block product times its two scales, in an order fixed by the
-    weight's shape."""
+    weight's shape. sa = sb = None: bf16 A and B, no scales."""
     K = b.shape[-1]
-    split = gemm_split(N, K) if experts is None else 1
+    config = gemm_config(N, K, grouped=experts is not None)
+    split = config["SPLIT_K"]
     if scatter:
         c = torch.empty(a.shape[0], N, device=a.device, dtype=out_dtype)
     else:
@@ -508,7 +505,7 @@ def _gemm(a, sa, b, sb, M, N, a_mode, rows=None, experts=None, scatter=False, ou
     step = M if split == 1 else max(GEMM_BLOCK_M, GEMM_PARTIAL_BYTES // (split * N * 4))
     for m0 in range(0, M, step):  # rows are independent: a long prefill runs in parts of bounded memory
         m = min(step, M - m0)
-        grid = (triton.cdiv(m, GEMM_BLOCK_M), triton.cdiv(N, GEMM_BLOCK_N), split)
+        grid = (triton.cdiv(m, GEMM_BLOCK_M), triton.cdiv(N, config["BLOCK_N"]), split)
         assert grid[0] * grid[1] <= GEMM_LOCKS
         part = None
         if split > 1:
@@ -516,61 +513,48 @@ def _gemm(a, sa, b, sb, M, N, a_mode, rows=None, experts=None, scatter=False, ou
         scales_a = None
         if sa is not None:
             scales_a = sa[m0:]
+        out = c  # (the gathered and grouped GEMMs never run in parts: m0 = 0)
+        if not scatter:
+            out = c[m0 : m0 + m]
         _gemm_kernel[grid](
-            a[m0:],  # (the gathered and grouped GEMMs never run in parts: m0 = 0)
+            a[m0:],
             scales_a,
             rows,
             b,
             sb,
             experts,
-            c[m0 : m0 + m] if not scatter else c,
+            out,
             part,
             _LOCKS[a.device],
             m,
             N,
             K,
             a.stride(0),
-            A_MODE=a_mode,
+            SCALED=sa is not None,
             GATHER=rows is not None,
             SCATTER=scatter,
             GROUPED=experts is not None,
-            SPLIT_K=split,
             BLOCK_M=GEMM_BLOCK_M,
-            BLOCK_N=GEMM_BLOCK_N,
-            num_warps=4,
-            num_stages=3,
+            **config,
         )
     return c
 
 
 def fp8_linear(x, w, scale, partial=False):
-    """Kernel of nano_nsa.fp8_linear: act-quant and the block-scaled FP8 GEMM, bf16 out (partial: fp32). Up to
-    QUANT_IN_GEMM_ROWS rows the GEMM quantizes x itself (one launch); above, act_quant runs first, so that
-    each N tile does not redo it. Both give the same bits."""
-    M = x.numel() // x.shape[-1]
+    """Kernel of nano_nsa.fp8_linear: act_quant then the block-scaled FP8 GEMM, bf16 out (partial: fp32)."""
+    q, s = act_quant(x)
+    M = q.numel() // q.shape[-1]
     out_dtype = torch.float32 if partial else BF16
-    x2 = x.reshape(M, -1)
-    if M <= QUANT_IN_GEMM_ROWS:
-        y = _gemm(x2, None, w, scale, M, w.shape[0], "quant", out_dtype=out_dtype)
-    else:
-        q, s = act_quant(x2)
-        y = _gemm(q, s, w, scale, M, w.shape[0], "fp8", out_dtype=out_dtype)
+    y = _gemm(q.view(M, -1), s.view(M, -1), w, scale, M, w.shape[0], out_dtype=out_dtype)
     return y.view(*x.shape[:-1], w.shape[0])
 
 
 def swiglu_linear(h, w, scale, partial=False):
-    """Kernel of nano_nsa.swiglu_linear: SwiGLU's activation of h = [gate | up], act-quant and the FP8 GEMM.
-    Up to QUANT_IN_GEMM_ROWS rows all in the GEMM (one launch); above, act_quant(swiglu=True) first."""
-    M = h.numel() // h.shape[-1]
+    """Kernel of nano_nsa.swiglu_linear: SwiGLU's activation and act-quant in one kernel, then the GEMM."""
+    q, s = act_quant(h, swiglu=True)
+    M = q.numel() // q.shape[-1]
     out_dtype = torch.float32 if partial else BF16
-    h2 = h.reshape(M, -1)
-    if h2.stride(-1) != 1:
-        h2 = h2.contiguous()
-    if M <= QUANT_IN_GEMM_ROWS:
-        y = _gemm(h2, None, w, scale, M, w.shape[0], "swiglu", out_dtype=out_dtype)
-    else:
-        q, s = act_quant(h2, swiglu=True)
-        y = _gemm(q, s, w, scale, M, w.shape[0], "fp8", out_dtype=out_dtype)
+    y = _gemm(q.view(M, -1), s.view(M, -1), w, scale, M, w.shape[0], out_dtype=out_dtype)
     return y.view(*h.shape[:-1], w.shape[0])
 
 
@@ -591,8 +575,8 @@ def _combine_kernel(o_ptr, pos_ptr, w_ptr, y_ptr, D, A: tl.constexpr, BLOCK: tl.
 def moe(x, weights, idx, w13, s13, w2, s2):
     """Kernel of nano_nsa.moe_experts, with no host synchronization: the (token, expert) pairs are sorted by
     expert into blocks of GEMM_BLOCK_M rows (each expert's rows padded to whole blocks, so a block reads one
-    expert's weights); one grouped FP8 GEMM for w1|w3, one for w2 with SwiGLU's activation and its act-quant
-    folded in, then each token's rows gathered back and summed in choice order. Batch-invariant: one tile
+    expert's weights); one grouped FP8 GEMM for w1|w3, SwiGLU's activation with its act-quant, one grouped
+    GEMM for w2, then each token's rows gathered back and summed in choice order. Batch-invariant: one tile
     height and no split-K whatever the number of pairs, no atomics. Expert parallel: idx E (another rank's
     expert) is sorted into blocks of expert -1, which the GEMMs skip (zero rows)."""
     T, A = idx.shape
@@ -615,14 +599,10 @@ def moe(x, weights, idx, w13, s13, w2, s2):
     starts = torch.arange(n_blocks, device=x.device) * bm
     experts = torch.searchsorted(pad_end, starts, right=True).to(torch.int32)
     experts = torch.where(experts < E, experts, -1)
-    if P <= QUANT_IN_GEMM_ROWS:  # act-quant and SwiGLU inside the GEMMs (the same bits)
-        h = _gemm(x, None, w13, s13, R, I2, "quant", rows=token, experts=experts)  # [R, 2I] bf16
-        o = _gemm(h, None, w2, s2, R, dim, "swiglu", experts=experts)  # [R, dim] bf16
-    else:
-        q, s = act_quant(x)
-        h = _gemm(q, s, w13, s13, R, I2, "fp8", rows=token, experts=experts)
-        q, s = act_quant(h, swiglu=True)
-        o = _gemm(q, s, w2, s2, R, dim, "fp8", experts=experts)
+    q, s = act_quant(x)
+    h = _gemm(q, s, w13, s13, R, I2, rows=token, experts=experts)  # [R, 2I] bf16
+    q, s = act_quant(h, swiglu=True)  # SwiGLU's activation, quantized
+    o = _gemm(q, s, w2, s2, R, dim, experts=experts)  # [R, dim] bf16
     y = torch.empty(T, dim, dtype=torch.float32, device=x.device)
     BLOCK = 1024
     _combine_kernel[(T, triton.cdiv(dim, BLOCK))](
@@ -640,7 +620,7 @@ def dense_linear(x, w):
     x2 = x.reshape(-1, x.shape[-1]).to(BF16)
     if x2.stride(-1) != 1:
         x2 = x2.contiguous()
-    y = _gemm(x2, None, w, None, x2.shape[0], w.shape[0], "bf16", out_dtype=torch.float32)
+    y = _gemm(x2, None, w, None, x2.shape[0], w.shape[0], out_dtype=torch.float32)
     return y.view(*x.shape[:-1], w.shape[0])
 
 
@@ -669,7 +649,7 @@ def head_linear(x, w):
     if x2.stride(2) != 1 or x2.stride(0) != H * x2.stride(1):  # rows t * H + h one stride apart
         x2 = x2.contiguous()
     a = x2.as_strided((T * H, K), (x2.stride(1), 1))
-    y = _gemm(a, None, w, None, len(rows), N, "bf16", rows=rows, experts=heads, scatter=True)
+    y = _gemm(a, None, w, None, len(rows), N, rows=rows, experts=heads, scatter=True)
     return y.view(T, H, N)
 
 

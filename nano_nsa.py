@@ -2237,6 +2237,16 @@ class LLM:
         # say which kernels run, at the first generate
         self.announce = self.device.type == "cuda" and tp_rank() == 0
         self.stats = {}
+        if self.device.type == "cuda":
+            self.warm_up()
+
+    def warm_up(self):
+        """Build the prefill path's GPU kernels (Triton compiles them at first use: seconds on a fresh
+        machine) before any generate the caller times, and say how long it took."""
+        t0 = time.perf_counter()
+        self.generate([[self.cfg.bos_token_id] * n for n in (5, 16)], max_new_tokens=2)
+        if tp_rank() == 0:
+            print(f"nano-nsa: built the prefill kernels in {time.perf_counter() - t0:.1f} s", file=sys.stderr)
 
     @property
     def graphs(self):

@@ -1227,7 +1227,22 @@ def _batch_op(op, batch, gen):
         return lambda n: torch.cat([t.float().flatten(1) for t in kernels.act_quant(x[:n])], 1)
     if op in ("index_quant_q", "index_quant_k"):  # the indexer's queries (64 heads) and keys (one)
         x = rows(64, 128) if op == "index_quant_q" else rows(128)
-        return lambda n: torch.cat([t.float().flatten(1) for t in kernels.index_quant(x[:n])], 1)
+        cos, sin = m.rope_cos_sin(cfg, torch.randint(0, 100000, (batch,), device="cuda", generator=gen))
+        return lambda n: torch.cat(
+            [t.float().flatten(1) for t in kernels.index_quant(x[:n], cos[:n], sin[:n])], 1
+        )
+    if op == "rope_q":  # MLA's query rotation, on the strided q_pe view of q_b's output
+        q = rows(128, 192)[..., 128:]
+        cos, sin = m.rope_cos_sin(cfg, torch.randint(0, 100000, (batch,), device="cuda", generator=gen))
+        return lambda n: kernels.rope(q[:n], cos[:n], sin[:n], interleaved=True).flatten(1)
+    if op == "swiglu_linear":  # the shared expert's down projection, SwiGLU and act-quant folded in
+        w, scale = _random_fp8(7168, 2048, gen)
+        h = rows(4096)
+        return lambda n: kernels.swiglu_linear(h[:n], w, scale)
+    if op == "route":  # the router after its product
+        logits = torch.randn(batch, 256, device="cuda", generator=gen)
+        bias = torch.randn(256, device="cuda", generator=gen) * 0.1
+        return lambda n: torch.cat([t.float() for t in kernels.route(logits[:n], bias, 8, 4, 8, 2.5)], 1)
     if op in ("rmsnorm", "rmsnorm_q"):  # with the residual add (its fp32 sum is returned too)
         dim = 7168 if op == "rmsnorm" else 1536
         weight = torch.rand(dim, device="cuda", generator=gen) + 0.5
@@ -1285,13 +1300,15 @@ def _batch_op(op, batch, gen):
     q_abs = rows(128, 512)
     q_pe = rows(128, 64)
     chosen = torch.rand(batch, ctx, device="cuda", generator=gen).topk(2048, -1).indices
-    slots = table.gather(1, chosen)
-    return lambda n: kernels.sparse_mla(q_abs[:n], q_pe[:n], cache, slots[:n], meta_for(n), cfg.softmax_scale)
+    return lambda n: kernels.sparse_mla(
+        q_abs[:n], q_pe[:n], cache, chosen[:n], meta_for(n), cfg.softmax_scale
+    )
 
 
 BATCH_OPS = ["act_quant", "index_quant_q", "index_quant_k", "rmsnorm", "rmsnorm_q", "layernorm"]
 BATCH_OPS += ["fp8_linear_wq_a", "fp8_linear_wkv_a", "fp8_linear_wo"]
 BATCH_OPS += ["dense_linear_head", "dense_linear_weights_proj", "dense_linear_eh_proj", "gate"]
+BATCH_OPS += ["rope_q", "swiglu_linear", "route"]
 BATCH_OPS += ["absorb_q", "absorb_o", "moe", "index_topk", "sparse_mla"]
 
 
@@ -1422,17 +1439,104 @@ def test_gpu_full_width_logits_do_not_depend_on_the_batch(tmp_path, monkeypatch)
 
 
 @gpu
-def test_gpu_index_quant_kernel_matches_reference():
-    """Hadamard as one fp32 GEMM + Triton act-quant vs the butterfly reference + act_quant: the same scales,
-    and FP8 values equal except where the two fp32 summation orders round a value to a neighbouring bf16."""
+@pytest.mark.parametrize("heads", [64, 0])
+def test_gpu_index_quant_kernel_matches_reference(heads):
+    """The indexer's q (64 heads) and k (no head dim): RoPE + Hadamard as one tensor-core product + act-quant
+    in one kernel vs rope + the butterfly reference + act_quant: the same scales, and FP8 values equal except
+    where the two fp32 summation orders round a value to a neighbouring bf16."""
     import kernels
 
-    gen = torch.Generator("cuda").manual_seed(3)
-    x = (torch.randn(64, 64, 128, device="cuda", generator=gen) * 3).to(m.BF16)
-    q, s = kernels.index_quant(x)
-    q_ref, s_ref = m.index_quant(x)
+    gen = torch.Generator("cuda").manual_seed(3 + heads)
+    shape = (300, heads, 128) if heads else (300, 128)
+    x = (torch.randn(*shape, device="cuda", generator=gen) * 3).to(m.BF16)
+    cos, sin = m.rope_cos_sin(m.Config(), torch.randint(0, 100000, (300,), device="cuda", generator=gen))
+    q, s = kernels.index_quant(x, cos, sin)
+    q_ref, s_ref = m.index_quant(x, cos, sin)
+    assert q.shape == q_ref.shape and s.shape == s_ref.shape
     differ = (q.float() != q_ref.float()).float().mean().item()
     assert (s == s_ref).float().mean().item() > 0.999 and differ < 1e-3, differ
+
+
+@gpu
+@pytest.mark.parametrize("interleaved", [True, False])
+@pytest.mark.parametrize("T,H", [(1, 128), (300, 16), (7, 1)])
+def test_gpu_rope_matches_reference(T, H, interleaved):
+    """The Triton rotation (no FMA, products rounded as torch rounds them) vs the reference on a strided view
+    (q_pe inside q_b's output): equal, or at most one bf16 step apart."""
+    import kernels
+
+    gen = torch.Generator("cuda").manual_seed(T + H)
+    x = (torch.randn(T, H, 192, device="cuda", generator=gen) * 4).to(m.BF16)[..., 128:]
+    cos, sin = m.rope_cos_sin(m.Config(), torch.randint(0, 160000, (T,), device="cuda", generator=gen))
+    got, want = kernels.rope(x, cos, sin, interleaved).float(), m.rope(x, cos, sin, interleaved).float()
+    assert got.shape == want.shape
+    assert ((got - want).abs() <= 2**-7 * want.abs()).all()
+    print(f"rope T={T} H={H}: {(got != want).float().mean().item():.2e} of values one bf16 step apart")
+
+
+@gpu
+@pytest.mark.parametrize("C", [512, 256])
+@pytest.mark.parametrize("T", [1, 5, 300])
+def test_gpu_store_latent_matches_reference(T, C):
+    """MLA's cache write in one kernel vs the reference (rms_norm, act_quant round trip, rope, two index
+    writes) into random slots of a pool: only the written rows change; the rope keys equal up to one bf16
+    step; the FP8-rounded latents equal except where the norm's fp32 sum order flips a rounding (bound 1e-2
+    relative, and at most 1% of values differ)."""
+    import kernels
+
+    gen = torch.Generator("cuda").manual_seed(T + C)
+    R = 64
+    kv_a = (torch.randn(T, C + R, device="cuda", generator=gen) * 2).to(m.BF16)
+    kv, k_pe = kv_a.split([C, R], -1)
+    weight = torch.rand(C, device="cuda", generator=gen) + 0.5
+    cos, sin = m.rope_cos_sin(m.Config(), torch.randint(0, 160000, (T,), device="cuda", generator=gen))
+    slots = torch.randperm(2 * T + 8, device="cuda", generator=gen)[:T]
+    pools = [torch.randn(2 * T + 8, C + R, device="cuda", generator=gen).to(m.BF16) for _ in range(2)]
+    pools[1].copy_(pools[0])
+    kernels.store_latent(kv, k_pe, weight, 1e-6, cos, sin, m.LayerCache(pools[0], None, None, C), slots)
+    m.store_latent(kv, k_pe, weight, 1e-6, cos, sin, m.LayerCache(pools[1], None, None, C), slots)
+    got, want = pools[0].float(), pools[1].float()
+    untouched = torch.ones(len(got), dtype=torch.bool, device="cuda").index_fill_(0, slots, False)
+    assert torch.equal(got[untouched], want[untouched])
+    assert ((got[slots, C:] - want[slots, C:]).abs() <= 2**-7 * want[slots, C:].abs()).all()
+    lat, lat_ref = got[slots, :C], want[slots, :C]
+    assert ((lat - lat_ref).norm() / lat_ref.norm()).item() < 1e-2
+    assert (lat != lat_ref).float().mean().item() <= 0.01
+
+
+@gpu
+@pytest.mark.parametrize("shape", [(256, 8, 4, 8), (8, 4, 2, 2), (24, 4, 2, 3)])
+@pytest.mark.parametrize("T", [1, 7, 300])
+def test_gpu_route_matches_reference(T, shape):
+    """The one-kernel router vs the reference (sigmoid, biased group top-2 sums, group-limited top-k, weights)
+    at DeepSeek-V3.2's 256 experts in 8 groups, the demo's and a shape of no powers of two: the same experts
+    in the same order, weights to fp32 rounding."""
+    import kernels
+
+    E, groups, top_groups, top_experts = shape
+    gen = torch.Generator("cuda").manual_seed(T + E)
+    logits = torch.randn(T, E, device="cuda", generator=gen) * 2
+    bias = torch.randn(E, device="cuda", generator=gen) * 0.1
+    got_w, got_i = kernels.route(logits, bias, groups, top_groups, top_experts, 2.5)
+    want_w, want_i = m.route(logits, bias, groups, top_groups, top_experts, 2.5)
+    assert torch.equal(got_i, want_i)
+    torch.testing.assert_close(got_w, want_w, rtol=1e-5, atol=1e-6)
+
+
+@gpu
+@pytest.mark.parametrize("N,K", [(7168, 2048), (7168, 18432), (256, 128)])
+@pytest.mark.parametrize("M", [1, 4, 300])
+def test_gpu_swiglu_linear_matches_reference(M, N, K):
+    """SwiGLU's down projection with the activation and act-quant in the GEMM (M <= 256) or in act_quant
+    (above) vs the reference, at the shared expert's, the dense MLP's and the demo's shapes (bound 1e-2
+    relative, as fp8_linear)."""
+    import kernels
+
+    gen = torch.Generator("cuda").manual_seed(M + N + K)
+    w, s = _fp8_weight(N, K, gen=gen)
+    h = (torch.randn(M, 2 * K, generator=gen, device="cuda") * 2).to(m.BF16)
+    got, want = kernels.swiglu_linear(h, w, s).float(), m.swiglu_linear(h, w, s).float()
+    assert got.shape == (M, N) and ((got - want).norm() / want.norm()).item() < 1e-2
 
 
 def _rand_fp8(*shape, gen, device="cuda"):
@@ -1517,8 +1621,7 @@ def _sparse_case(B, rows, ctx, gen, K=2048, H=128, C=512):
             .masked_fill(torch.arange(meta.max_ctx, device="cuda") >= meta.ctx_lens[:, None], 2)
             .argsort(-1)[:, :width]
         )
-        pos = torch.where(torch.arange(width, device="cuda") < meta.ctx_lens[:, None], pos, -1)
-        return torch.where(pos >= 0, meta.table[meta.row_req[:, None], pos.clamp(min=0)], -1)
+        return torch.where(torch.arange(width, device="cuda") < meta.ctx_lens[:, None], pos, -1)
 
     q_abs = torch.randn(T, H, C, generator=gen, device="cuda") * 0.5
     q_pe = (torch.randn(T, H, 64, generator=gen, device="cuda") * 0.5).to(m.BF16)
@@ -1551,9 +1654,9 @@ def test_gpu_sparse_mla_kernel_matches_reference(B, rows, ctx, tiny):
         B, rows, ctx, gen, cfg.index_topk, cfg.n_heads, cfg.kv_lora_rank
     )
     for layer in range(2):
-        slots = selection()
-        got = kernels.sparse_mla(q_abs, q_pe, cache, slots, meta, cfg.softmax_scale).float()
-        want = m.sparse_mla(q_abs.to(m.BF16).float(), q_pe, cache, slots, meta, cfg.softmax_scale)
+        selected = selection()
+        got = kernels.sparse_mla(q_abs, q_pe, cache, selected, meta, cfg.softmax_scale).float()
+        want = m.sparse_mla(q_abs.to(m.BF16).float(), q_pe, cache, selected, meta, cfg.softmax_scale)
         err = ((got - want).norm() / want.norm()).item()
         print(f"B={B} rows={rows} ctx={ctx} layer {layer}: rel err {err:.2e}")
         assert err < 1e-2
