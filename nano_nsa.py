@@ -965,22 +965,40 @@ class Gate(nn.Module):
 def moe_experts(x, weights, idx, w13, s13, w2, s2):
     """The routed experts of a MoE layer (the reference of the grouped MoE kernel): each a SwiGLU MLP over
     the tokens that chose it, summed with their routing weights in fp32. x [T, dim] bf16; weights, idx [T,
-    A]; w13 [E, 2I, dim] (w1 | w3 fused), w2 [E, dim, I] FP8 with their block scales -> [T, dim] fp32."""
+    A]; w13 [E, 2I, dim] (w1 | w3 fused), w2 [E, dim, I] FP8 with their block scales -> [T, dim] fp32.
+    Grouped as the kernel: the (token, choice) pairs sorted by expert, one GEMM per expert over its rows (a
+    row is quantized alike in any group: act_quant works per row, so each is quantized once)."""
+    T, A = idx.shape
+    idx, order = idx.sort(-1)  # each token's experts ascending: summed in that order
+    pair = idx.flatten().argsort(stable=True)  # [P] pairs t * A + a by expert, tokens ascending in each
+    pair = pair[idx.flatten()[pair] < len(w13)]  # idx E: another rank's, skipped
     y = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
+    if len(pair) == 0:
+        return y
+    experts, counts = idx.flatten()[pair].unique_consecutive(return_counts=True)
+    groups = (experts.tolist(), counts.tolist())
+    h = grouped_linear(act_dequant(*act_quant(x)).to(acc_dtype(x))[pair // A], w13, s13, *groups)  # [P, 2I]
     inter = w2.shape[2]
-    for e in idx[idx < len(w13)].unique().tolist():  # expert order 0..E-1; idx E: another rank's, skipped
-        tok, choice = (idx == e).nonzero(as_tuple=True)
-        h = fp8_linear(x[tok], w13[e], expert_scale(s13, e))  # [n, 2I] bf16
-        h = (F.silu(h[:, :inter].float()) * h[:, inter:].float()).to(BF16)
-        y[tok] += fp8_linear(h, w2[e], expert_scale(s2, e)).float() * weights[tok, choice, None]
+    h = (F.silu(h[:, :inter].float()) * h[:, inter:].float()).to(BF16)
+    out = grouped_linear(act_dequant(*act_quant(h)).to(acc_dtype(h)), w2, s2, *groups)  # [P, dim] bf16
+    each = torch.zeros(T * A, x.shape[1], dtype=torch.float32, device=x.device)  # [T * A, dim]
+    each[pair] = out.float() * weights.gather(1, order).flatten()[pair, None]
+    for a in range(A):
+        y += each.view(T, A, -1)[:, a]
     return y
 
 
-def expert_scale(scales, e):
-    """Expert e's block scales, or None where the weights were dequantized at load."""
-    if scales is None:
-        return None
-    return scales[e]
+def grouped_linear(rows, w, scales, experts, counts):
+    """rows [P, in] (already quantized, acc dtype) sorted by expert, counts[i] of them for experts[i], each
+    times its expert's weight -> [P, out] bf16: fp8_linear's math, one GEMM per group. scales None: w was
+    dequantized at load."""
+    out = []
+    for e, part in zip(experts, rows.split(counts), strict=True):
+        w_e = w[e]
+        if scales is not None:
+            w_e = weight_dequant(w_e, scales[e])
+        out.append(F.linear(part, w_e.to(rows.dtype)))
+    return torch.cat(out).to(BF16)
 
 
 class MoE(nn.Module):
