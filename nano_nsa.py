@@ -487,7 +487,8 @@ def acc_dtype(x: torch.Tensor):
 
 # The references dequantize a model's FP8 weights once, at load, when the copies (8 bytes a weight on the CPU)
 # take at most this much; a bigger model dequantizes each weight at each call (same values: FP8 times a power
-# of two is exact in fp32 and fp64). On the demo model per-call dequantizing was ~65% of the CPU's time.
+# of two is exact in fp32 and fp64). On the demo model per-call dequantizing was ~65% of the CPU's time. Its
+# plain weights (the heads, fp32) are then widened to fp64 once too, not at each call (~5% of a CPU round).
 DEQUANTIZE_AT_LOAD_BYTES = 2 << 30
 
 
@@ -522,7 +523,7 @@ class Linear(nn.Module):
     all-reduces), None all of it."""
 
     ops = None  # bound once by Transformer.bind (fp8_linear / dense_linear)
-    dequantized = None  # the FP8 weight dequantized at bind, for the references (DEQUANTIZE_AT_LOAD_BYTES)
+    dequantized = None  # the weight dequantized (FP8) or widened (plain) at bind, for the references
 
     def __init__(self, in_features, out_features, fp8=True, dtype=BF16, n=None, split=None):
         super().__init__()
@@ -542,13 +543,14 @@ class Linear(nn.Module):
             )
 
     def forward(self, x):
+        weight, scale = self.operands()
         if not self.fp8:
-            return self.ops.dense_linear(x, self.weight)
-        return self.ops.fp8_linear(x, *self.fp8_operands(), self.partial)
+            return self.ops.dense_linear(x, weight)
+        return self.ops.fp8_linear(x, weight, scale, self.partial)
 
-    def fp8_operands(self):
-        """(weight, scale) as the FP8 ops read them: the FP8 weight and its block scales, or the copy the
-        references dequantized at load and None."""
+    def operands(self):
+        """(weight, scale) as the ops read them: the weight as loaded and its block scales (None for a plain
+        weight), or the copy the references dequantized or widened at load and None."""
         if self.dequantized is not None:
             return self.dequantized, None
         return self.weight, self.scale
@@ -1031,7 +1033,7 @@ class MoE(nn.Module):
         E = w13.weight.shape[0]
         first = tp_rank() * E  # this rank holds experts first .. first + E - 1
         idx = torch.where((idx >= first) & (idx < first + E), idx - first, E)  # E: another rank's, skipped
-        routed = self.ops.moe(x, weights, idx, *w13.fp8_operands(), *w2.fp8_operands())
+        routed = self.ops.moe(x, weights, idx, *w13.operands(), *w2.operands())
         return routed + self.shared_experts(x)
 
 
@@ -1116,8 +1118,9 @@ class Transformer(nn.Module):
                 w = w.view(-1, D + mod.cfg.v_head_dim, mod.cfg.kv_lora_rank)  # [H, D + V, C]
                 mod.w_uk = w[:, :D].transpose(1, 2).contiguous()
                 mod.w_uv = w[:, D:].contiguous()
-            if isinstance(mod, Linear) and mod.fp8 and dequantize:
-                mod.dequantized = weight_dequant(mod.weight, mod.scale).to(acc_dtype(mod.weight))
+            if isinstance(mod, Linear) and dequantize:  # plain weights (the heads) widened with them, once
+                w = weight_dequant(mod.weight, mod.scale) if mod.fp8 else mod.weight
+                mod.dequantized = w.to(acc_dtype(mod.weight))
         return self
 
     @torch.inference_mode()
