@@ -443,10 +443,10 @@ def ours_name(cfg: Config, hf_name: str) -> str:
 #   tp_size(), tp_rank(), all_reduce()   tensor parallelism ("Tensor parallelism" below): 1, 0 and nothing at
 #              one rank; under torchrun a layer holds its rank's share of the weights and sums the parts.
 def pow2_ceil(x: torch.Tensor) -> torch.Tensor:
-    """Smallest power of two >= x (x > 0), exactly (the reference's exponent bit trick, via frexp)."""
-    mantissa, exponent = torch.frexp(x)  # x = mantissa * 2^exponent, mantissa in [0.5, 1)
-    exponent = torch.where(mantissa == 0.5, exponent - 1, exponent)
-    return torch.ldexp(torch.ones_like(x), exponent)
+    """Smallest power of two >= x (x > 0 normal fp32), exactly, by the reference's exponent bit trick: a
+    nonzero mantissa carries into the exponent, then the mantissa is cleared."""
+    bits = x.view(torch.int32) + 0x7FFFFF
+    return (bits & -0x800000).view(torch.float32)
 
 
 def act_quant(x: torch.Tensor):
@@ -488,7 +488,8 @@ def acc_dtype(x: torch.Tensor):
 
 # The references dequantize a model's FP8 weights once, at load, when the copies (8 bytes a weight on the CPU)
 # take at most this much; a bigger model dequantizes each weight at each call (same values: FP8 times a power
-# of two is exact in fp32 and fp64). On the demo model per-call dequantizing was ~65% of the CPU's time.
+# of two is exact in fp32 and fp64). On the demo model per-call dequantizing was ~65% of the CPU's time. Its
+# plain weights (the heads, fp32) are then widened to fp64 once too, not at each call (~5% of a CPU round).
 DEQUANTIZE_AT_LOAD_BYTES = 2 << 30
 
 
@@ -530,7 +531,7 @@ class Linear(nn.Module):
     all-reduces), None all of it."""
 
     ops = None  # bound once by Transformer.bind (fp8_linear / dense_linear)
-    dequantized = None  # the FP8 weight dequantized at bind, for the references (DEQUANTIZE_AT_LOAD_BYTES)
+    dequantized = None  # the weight dequantized (FP8) or widened (plain) at bind, for the references
 
     def __init__(self, in_features, out_features, fp8=True, dtype=BF16, n=None, split=None):
         super().__init__()
@@ -550,13 +551,14 @@ class Linear(nn.Module):
             )
 
     def forward(self, x):
+        weight, scale = self.operands()
         if not self.fp8:
-            return self.ops.dense_linear(x, self.weight)
-        return self.ops.fp8_linear(x, *self.fp8_operands(), self.partial)
+            return self.ops.dense_linear(x, weight)
+        return self.ops.fp8_linear(x, weight, scale, self.partial)
 
-    def fp8_operands(self):
-        """(weight, scale) as the FP8 ops read them: the FP8 weight and its block scales, or the copy the
-        references dequantized at load and None."""
+    def operands(self):
+        """(weight, scale) as the ops read them: the weight as loaded and its block scales (None for a plain
+        weight), or the copy the references dequantized or widened at load and None."""
         if self.dequantized is not None:
             return self.dequantized, None
         return self.weight, self.scale
@@ -777,15 +779,12 @@ def topk_positions(scores, ctx_lens, topk):
 
 def index_topk(q8, head_weights, cache: LayerCache, meta: Meta, topk):
     """Reference of the lightning-indexer kernel: score each row's causal context against the cached FP8 keys
-    and keep its top-min(topk, N) positions [T, min(topk, N)] (-1 = none; N = the longest row context)."""
-    if meta.mode != "prefill":  # decode / verify: flattened rows, each with its own length [T, N]
-        ctx = meta.table[meta.row_req, : meta.max_ctx]
-        scores = index_scores(q8, head_weights, cache.ik[ctx], cache.iks[ctx])
-        return topk_positions(scores, meta.ctx_lens, topk)
-    out = []  # a prompt chunk's rows share their request's keys
+    and keep its top-min(topk, N) positions [T, min(topk, N)] (-1 = none; N = the longest row context). The
+    rows of one request (a prompt chunk, a verify row and its drafts) share its keys: gathered once."""
+    out = []
     width = min(topk, meta.max_ctx)
     for b, rows in enumerate(meta.request_rows()):
-        ctx = meta.table[b, : int(meta.ctx_lens[rows].max())]  # [N] slots
+        ctx = meta.table[b, : int(meta.ctx_host[rows].max())]  # [N] slots
         scores = index_scores(q8[rows], head_weights[rows], cache.ik[ctx][None], cache.iks[ctx][None])
         selected = topk_positions(scores, meta.ctx_lens[rows], topk)
         out.append(F.pad(selected, (0, width - selected.shape[1]), value=-1))
@@ -825,6 +824,12 @@ class Indexer(nn.Module):
 
 
 # ---- MLA: multi-head latent attention over the indexer's selection (spec 3.6, 3.8) -------------------------
+# The sparse MLA reference runs its rows in blocks whose gathered latents (rows x K x (C + R), fp64 on CPU)
+# take at most about this much, so that a block stays in the CPU's cache: on the demo's prefill (blocks of 14
+# rows) 3.5x faster than one gather of every row. Each row is computed alone either way: the same bits.
+SPARSE_MLA_BLOCK_BYTES = 8 << 20
+
+
 def sparse_mla(q_abs, q_pe, cache: LayerCache, selected, meta: Meta, scale):
     """Absorbed ("MQA") sparse attention, one query row per token: the reference of the sparse MLA decode
     kernel. q_abs [T, H, C] (q_nope already multiplied into the latent space), q_pe [T, H, R]; selected [T,
@@ -832,11 +837,16 @@ def sparse_mla(q_abs, q_pe, cache: LayerCache, selected, meta: Meta, scale):
     slots = meta.table[meta.row_req[:, None], selected.clamp(min=0)]
     slots = torch.where(selected >= 0, slots, -1)  # [T, K] KV-pool slots
     acc = acc_dtype(q_abs)
-    kv = cache.kv[slots.clamp(min=0)].to(acc)  # [T, K, C]
-    pe = cache.pe[slots.clamp(min=0)].to(acc)  # [T, K, R]
-    scores = (q_abs.to(acc) @ kv.transpose(1, 2) + q_pe.to(acc) @ pe.transpose(1, 2)) * scale  # [T, H, K]
-    scores = scores.masked_fill(~(slots >= 0)[:, None, :], float("-inf"))
-    return (scores.softmax(-1) @ kv).float()  # [T, H, C]
+    block = max(1, SPARSE_MLA_BLOCK_BYTES // (slots.shape[1] * cache.latent.shape[1] * 8))
+    out = []
+    for first in range(0, len(slots), block):
+        rows = slice(first, first + block)
+        kv = cache.kv[slots[rows].clamp(min=0)].to(acc)  # [t, K, C]
+        pe = cache.pe[slots[rows].clamp(min=0)].to(acc)  # [t, K, R]
+        scores = q_abs[rows].to(acc) @ kv.transpose(1, 2) + q_pe[rows].to(acc) @ pe.transpose(1, 2)
+        scores = (scores * scale).masked_fill(~(slots[rows] >= 0)[:, None, :], float("-inf"))  # [t, H, K]
+        out.append((scores.softmax(-1) @ kv).float())  # [t, H, C]
+    return torch.cat(out)
 
 
 def dense_attention(q, k, v, scale):
@@ -942,7 +952,7 @@ class MLP(nn.Module):
         self.w2 = Linear(inter_dim, dim, split="row")
 
     def forward(self, x):
-        return self.ops.swiglu_linear(self.w13(x), *self.w2.fp8_operands(), partial=True)
+        return self.ops.swiglu_linear(self.w13(x), *self.w2.operands(), partial=True)
 
 
 def top_indices(x, k):
@@ -996,20 +1006,40 @@ class Gate(nn.Module):
 def moe_experts(x, weights, idx, w13, s13, w2, s2):
     """The routed experts of a MoE layer (the reference of the grouped MoE kernel): each a SwiGLU MLP over
     the tokens that chose it, summed with their routing weights in fp32. x [T, dim] bf16; weights, idx [T,
-    A]; w13 [E, 2I, dim] (w1 | w3 fused), w2 [E, dim, I] FP8 with their block scales -> [T, dim] fp32."""
+    A]; w13 [E, 2I, dim] (w1 | w3 fused), w2 [E, dim, I] FP8 with their block scales -> [T, dim] fp32.
+    Grouped as the kernel: the (token, choice) pairs sorted by expert, one GEMM per expert over its rows (a
+    row is quantized alike in any group: act_quant works per row, so each is quantized once)."""
+    T, A = idx.shape
+    idx, order = idx.sort(-1)  # each token's experts ascending: summed in that order
+    pair = idx.flatten().argsort(stable=True)  # [P] pairs t * A + a by expert, tokens ascending in each
+    pair = pair[idx.flatten()[pair] < len(w13)]  # idx E: another rank's, skipped
     y = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
-    for e in idx[idx < len(w13)].unique().tolist():  # expert order 0..E-1; idx E: another rank's, skipped
-        tok, choice = (idx == e).nonzero(as_tuple=True)
-        h = fp8_linear(x[tok], w13[e], expert_scale(s13, e))  # [n, 2I] bf16
-        y[tok] += swiglu_linear(h, w2[e], expert_scale(s2, e)).float() * weights[tok, choice, None]
+    if len(pair) == 0:
+        return y
+    experts, counts = idx.flatten()[pair].unique_consecutive(return_counts=True)
+    groups = (experts.tolist(), counts.tolist())
+    h = grouped_linear(act_dequant(*act_quant(x)).to(acc_dtype(x))[pair // A], w13, s13, *groups)  # [P, 2I]
+    inter = w2.shape[2]
+    h = (F.silu(h[:, :inter].float()) * h[:, inter:].float()).to(BF16)
+    out = grouped_linear(act_dequant(*act_quant(h)).to(acc_dtype(h)), w2, s2, *groups)  # [P, dim] bf16
+    each = torch.zeros(T * A, x.shape[1], dtype=torch.float32, device=x.device)  # [T * A, dim]
+    each[pair] = out.float() * weights.gather(1, order).flatten()[pair, None]
+    for a in range(A):
+        y += each.view(T, A, -1)[:, a]
     return y
 
 
-def expert_scale(scales, e):
-    """Expert e's block scales, or None where the weights were dequantized at load."""
-    if scales is None:
-        return None
-    return scales[e]
+def grouped_linear(rows, w, scales, experts, counts):
+    """rows [P, in] (already quantized, acc dtype) sorted by expert, counts[i] of them for experts[i], each
+    times its expert's weight -> [P, out] bf16: fp8_linear's math, one GEMM per group. scales None: w was
+    dequantized at load."""
+    out = []
+    for e, part in zip(experts, rows.split(counts), strict=True):
+        w_e = w[e]
+        if scales is not None:
+            w_e = weight_dequant(w_e, scales[e])
+        out.append(F.linear(part, w_e.to(rows.dtype)))
+    return torch.cat(out).to(BF16)
 
 
 class MoE(nn.Module):
@@ -1037,7 +1067,7 @@ class MoE(nn.Module):
             idx = torch.where(
                 (idx >= first) & (idx < first + E), idx - first, E
             )  # E: another rank's, skipped
-        routed = self.ops.moe(x, weights, idx, *w13.fp8_operands(), *w2.fp8_operands())
+        routed = self.ops.moe(x, weights, idx, *w13.operands(), *w2.operands())
         return routed + self.shared_experts(x)
 
 
@@ -1122,8 +1152,9 @@ class Transformer(nn.Module):
                 w = w.view(-1, D + mod.cfg.v_head_dim, mod.cfg.kv_lora_rank)  # [H, D + V, C]
                 mod.w_uk = w[:, :D].transpose(1, 2).contiguous()
                 mod.w_uv = w[:, D:].contiguous()
-            if isinstance(mod, Linear) and mod.fp8 and dequantize:
-                mod.dequantized = weight_dequant(mod.weight, mod.scale).to(acc_dtype(mod.weight))
+            if isinstance(mod, Linear) and dequantize:  # plain weights (the heads) widened with them, once
+                w = weight_dequant(mod.weight, mod.scale) if mod.fp8 else mod.weight
+                mod.dequantized = w.to(acc_dtype(mod.weight))
         return self
 
     @torch.inference_mode()
