@@ -1153,8 +1153,8 @@ class Transformer(nn.Module):
                 mod.w_uk = w[:, :D].transpose(1, 2).contiguous()
                 mod.w_uv = w[:, D:].contiguous()
             if isinstance(mod, Linear) and dequantize:  # plain weights (the heads) widened with them, once
-                w = weight_dequant(mod.weight, mod.scale) if mod.fp8 else mod.weight
-                mod.dequantized = w.to(acc_dtype(mod.weight))
+                w = weight_dequant(mod.weight, mod.scale) if mod.fp8 else mod.weight.detach()
+                mod.dequantized = w.to(acc_dtype(mod.weight))  # (a tensor, not a second parameter)
         return self
 
     @torch.inference_mode()
