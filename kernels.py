@@ -456,17 +456,24 @@ def _gemm_kernel(
         tl.store(c, acc.to(c_ptr.dtype.element_ty), mask=mask)
     else:
         tile = offs_m[:, None].to(tl.int64) * N + offs_n[None, :]
-        tl.store(part_ptr + pid_k.to(tl.int64) * M * N + tile, acc, mask=mask)
-        tl.debug_barrier()  # every thread's partial is out before the tile's count goes up
         lock = lock_ptr + pid_m * tl.num_programs(1) + pid_n
-        if tl.atomic_add(lock, 1) == SPLIT_K - 1:  # (acq_rel: the other programs' partials are visible)
-            total = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-            for s0 in range(0, SPLIT_K, 8):  # 8 loads in flight at a time, added in split order
-                for i in tl.static_range(8):
-                    part = part_ptr + (s0 + i) * M * N + tile
-                    total += tl.load(part, mask=mask & (s0 + i < SPLIT_K), other=0.0, cache_modifier=".cg")
-            tl.store(c, total.to(c_ptr.dtype.element_ty), mask=mask)
-            tl.atomic_xchg(lock, 0)  # ready for the next launch
+        _split_k_sum(acc, c, part_ptr + tile, lock, mask, M * N, pid_k, SPLIT_K)
+
+
+@triton.jit
+def _split_k_sum(acc, c, part, lock, mask, MN, pid_k, SPLIT_K: tl.constexpr):
+    """Split-K's end: this program's partial goes to part[pid_k]; the tile's last program to finish (an int
+    counter per tile) adds the SPLIT_K partials in split order, 8 loads in flight at a time, and writes c."""
+    tl.store(part + pid_k.to(tl.int64) * MN, acc, mask=mask)
+    tl.debug_barrier()  # every thread's partial is out before the tile's count goes up
+    if tl.atomic_add(lock, 1) == SPLIT_K - 1:  # (acq_rel: the other programs' partials are visible)
+        total = tl.zeros(acc.shape, dtype=tl.float32)
+        for s0 in range(0, SPLIT_K, 8):
+            for i in tl.static_range(8):
+                split = mask & (s0 + i < SPLIT_K)
+                total += tl.load(part + (s0 + i) * MN, mask=split, other=0.0, cache_modifier=".cg")
+        tl.store(c, total.to(c.dtype.element_ty), mask=mask)
+        tl.atomic_xchg(lock, 0)  # ready for the next launch
 
 
 GEMM_BLOCK_M = 64  # one tile height for every M: a row's sums never depend on how many rows there are
