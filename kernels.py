@@ -641,7 +641,6 @@ def head_linear(x, w):
     output row t * H + h) fill blocks of their own, T rounded up to a tile, so the sum order is fixed by the
     weight's shape. (cuBLAS's batched GEMM picks its algorithm by T.)"""
     T, H, K = x.shape
-    N = w.shape[1]
     key = (T, H, x.device)
     if key in _HEAD_ROWS:
         rows, heads = _HEAD_ROWS[key]
@@ -650,14 +649,14 @@ def head_linear(x, w):
         t = torch.arange(Tp, device=x.device)
         rows = torch.where(t < T, t * H + torch.arange(H, device=x.device)[:, None], -1).flatten()  # [H * Tp]
         heads = torch.arange(H, device=x.device, dtype=torch.int32).repeat_interleave(Tp // GEMM_BLOCK_M)
-    if T <= HEAD_ROWS_CACHED:
-        _HEAD_ROWS[key] = (rows, heads)
+        if T <= HEAD_ROWS_CACHED:
+            _HEAD_ROWS[key] = (rows, heads)
     x2 = x.to(BF16)
     if x2.stride(2) != 1 or x2.stride(0) != H * x2.stride(1):  # rows t * H + h one stride apart
         x2 = x2.contiguous()
     a = x2.as_strided((T * H, K), (x2.stride(1), 1))
-    y = _gemm(a, None, w, None, len(rows), N, rows=rows, experts=heads, scatter=True)
-    return y.view(T, H, N)
+    y = _gemm(a, None, w, None, len(rows), w.shape[1], rows=rows, experts=heads, scatter=True)
+    return y.view(T, H, -1)
 
 
 @triton.jit

@@ -507,11 +507,16 @@ def fp8_linear(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, partial=Fa
     return y.to(BF16)
 
 
-def swiglu_linear(h, w, scale, partial=False):
-    """SwiGLU's down projection: fp8_linear of silu(gate) * up for h = [gate | up] [..., 2I], the activation
-    in fp32 rounded to bf16 (as the reference's silu(w1 x) * w3 x)."""
+def swiglu(h):
+    """SwiGLU's activation silu(gate) * up of h = [gate | up] [..., 2I]: fp32, rounded to bf16 (as the
+    reference's silu(w1 x) * w3 x)."""
     inter = h.shape[-1] // 2
-    return fp8_linear((F.silu(h[..., :inter].float()) * h[..., inter:].float()).to(BF16), w, scale, partial)
+    return (F.silu(h[..., :inter].float()) * h[..., inter:].float()).to(BF16)
+
+
+def swiglu_linear(h, w, scale, partial=False):
+    """SwiGLU's down projection: fp8_linear of swiglu(h)."""
+    return fp8_linear(swiglu(h), w, scale, partial)
 
 
 def dense_linear(x, w):
@@ -1019,8 +1024,7 @@ def moe_experts(x, weights, idx, w13, s13, w2, s2):
     experts, counts = idx.flatten()[pair].unique_consecutive(return_counts=True)
     groups = (experts.tolist(), counts.tolist())
     h = grouped_linear(act_dequant(*act_quant(x)).to(acc_dtype(x))[pair // A], w13, s13, *groups)  # [P, 2I]
-    inter = w2.shape[2]
-    h = (F.silu(h[:, :inter].float()) * h[:, inter:].float()).to(BF16)
+    h = swiglu(h)
     out = grouped_linear(act_dequant(*act_quant(h)).to(acc_dtype(h)), w2, s2, *groups)  # [P, dim] bf16
     each = torch.zeros(T * A, x.shape[1], dtype=torch.float32, device=x.device)  # [T * A, dim]
     each[pair] = out.float() * weights.gather(1, order).flatten()[pair, None]
