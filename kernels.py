@@ -4,7 +4,8 @@ Each function here has a readable torch reference with the same signature in nan
 compare them on fresh random inputs at the real shapes (test_nano.py, marked `gpu`). `GPU_OPS` at the end is
 the set `nano_nsa.select_ops` binds on a GPU that `unsupported()` accepts.
 
-  index_quant     the indexer's q / k: RoPE + Hadamard (one tensor-core product) + FP8, one launch
+  index_quant     the indexer's queries: RoPE + Hadamard (one tensor-core product) + FP8, one launch;
+                  store_index_key: its keys, LayerNorm first and written to the cache, one launch
   index_topk      lightning indexer: Triton FP8 scores over the paged key cache + causal mask + top-k
   sparse_mla      absorbed sparse MLA rows: Triton, fixed chunks of each row's selection (Hopper);
                   flashinfer trtllm-gen (Blackwell, unverified here)
@@ -16,7 +17,7 @@ the set `nano_nsa.select_ops` binds on a GPU that `unsupported()` accepts.
                   the partials summed in order by the tile's last program); swiglu_linear: SwiGLU in the quant
   dense_linear    bf16 weights with fp32 accumulation (lm_head, weights_proj, eh_proj, router): Triton GEMM
   route           the router after its product (sigmoid, group-limited top-k, weights): one launch
-  moe             routed experts: GPU-side sort by expert, two grouped FP8 GEMMs, ordered combine; no sync
+  moe             routed experts: one-launch sort by expert, two grouped FP8 GEMMs, ordered combine; no sync
 
 Batch invariance: a row's result never depends on the other rows of its batch (docs/batch_invariance.md):
 tile shapes and split-K come from the weight's shape, attention splits from the row's own selection, and every
@@ -579,33 +580,80 @@ def _combine_kernel(o_ptr, pos_ptr, w_ptr, y_ptr, D, A: tl.constexpr, BLOCK: tl.
     tl.store(y_ptr + t * D + d, acc, mask=mask)
 
 
+@triton.jit
+def _moe_layout_kernel(
+    idx_ptr,
+    token_ptr,
+    pos_ptr,
+    expert_ptr,
+    P,
+    R,
+    n_blocks,
+    A: tl.constexpr,
+    E: tl.constexpr,
+    E_PAD: tl.constexpr,
+    BM: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    """One program lays out the P = T * A (token, choice) pairs for the grouped GEMMs: sorted by expert
+    (pairs in their own order inside an expert) into blocks of BM rows, each expert's rows padded to whole
+    blocks. Writes token[r] (the token of sorted row r, -1 for padding), pos[p] (the sorted row of pair p)
+    and expert[b] (block b's expert, -1 for none). idx E (another rank's expert) sorts last, as expert -1.
+    E_PAD: E + 1 rounded up to a power of two; BLOCK: pairs per step."""
+    bins = tl.arange(0, E_PAD)
+    counts = tl.zeros([E_PAD], tl.int32)
+    for p0 in range(0, P, BLOCK):
+        p = p0 + tl.arange(0, BLOCK)
+        counts += tl.histogram(tl.load(idx_ptr + p, mask=p < P, other=0), E_PAD, mask=p < P)
+    padded = (counts + BM - 1) // BM * BM
+    pad_end = tl.cumsum(padded, 0)  # expert e's rows: [pad_end[e] - padded[e], pad_end[e])
+    for b0 in range(0, n_blocks, BLOCK):
+        b = b0 + tl.arange(0, BLOCK)
+        e = tl.sum((pad_end[None, :] <= b[:, None] * BM).to(tl.int32), 1)  # the expert holding row b * BM
+        tl.store(expert_ptr + b, tl.where(e < E, e, -1), mask=b < n_blocks)
+    for r0 in range(0, R, 1024):
+        r = r0 + tl.arange(0, 1024)
+        tl.store(token_ptr + r, tl.full([1024], -1, tl.int64), mask=r < R)
+    tl.debug_barrier()  # every padding row is written before the pairs' rows overwrite theirs
+    placed = pad_end - padded  # the next free row of each expert
+    for p0 in range(0, P, BLOCK):
+        p = p0 + tl.arange(0, BLOCK)
+        e = tl.load(idx_ptr + p, mask=p < P, other=E_PAD)
+        mine = e[:, None] == bins[None, :]  # [BLOCK, E_PAD] one-hot
+        earlier = (e[:, None] == e[None, :]) & (p[None, :] < p[:, None])  # same expert, before in this block
+        row = tl.sum(tl.where(mine, placed[None, :], 0), 1) + tl.sum(earlier.to(tl.int32), 1)
+        tl.store(pos_ptr + p, row.to(tl.int64), mask=p < P)
+        tl.store(token_ptr + row, (p // A).to(tl.int64), mask=p < P)
+        placed += tl.sum(mine.to(tl.int32), 0)
+
+
+def moe_layout(idx, E):
+    """_moe_layout_kernel's outputs for expert choices idx [T, A] of E experts: (token [R], pos [T * A],
+    expert [R / GEMM_BLOCK_M]), R an upper bound on the padded rows known on the host (no sync)."""
+    T, A = idx.shape
+    P = T * A
+    bm = GEMM_BLOCK_M
+    n_blocks = min(E + 1, P) + triton.cdiv(P, bm)
+    token = torch.empty(n_blocks * bm, dtype=torch.int64, device=idx.device)
+    pos = torch.empty(P, dtype=torch.int64, device=idx.device)
+    experts = torch.empty(n_blocks, dtype=torch.int32, device=idx.device)
+    layout = (idx.flatten().to(torch.int32), token, pos, experts, P, len(token), n_blocks)
+    E_PAD = triton.next_power_of_2(E + 1)
+    _moe_layout_kernel[(1,)](*layout, A=A, E=E, E_PAD=E_PAD, BM=bm, BLOCK=32, num_warps=8)
+    return token, pos, experts
+
+
 def moe(x, weights, idx, w13, s13, w2, s2):
     """Kernel of nano_nsa.moe_experts, with no host synchronization: the (token, expert) pairs are sorted by
     expert into blocks of GEMM_BLOCK_M rows (each expert's rows padded to whole blocks, so a block reads one
-    expert's weights); one grouped FP8 GEMM for w1|w3, SwiGLU's activation with its act-quant, one grouped
-    GEMM for w2, then each token's rows gathered back and summed in choice order. Batch-invariant: one tile
-    height and no split-K whatever the number of pairs, no atomics. Expert parallel: idx E (another rank's
-    expert) is sorted into blocks of expert -1, which the GEMMs skip (zero rows)."""
+    expert's weights: one launch, _moe_layout_kernel); one grouped FP8 GEMM for w1|w3, SwiGLU's activation
+    with its act-quant, one grouped GEMM for w2, then each token's rows gathered back and summed in choice
+    order. Batch-invariant: one tile height and no split-K whatever the number of pairs, no atomics. Expert
+    parallel: idx E (another rank's expert) is sorted into blocks of expert -1, which the GEMMs skip."""
     T, A = idx.shape
     E, I2, dim = w13.shape
-    P = T * A
-    bm = GEMM_BLOCK_M
-    n_blocks = min(E + 1, P) + triton.cdiv(P, bm)  # an upper bound on the padded blocks, known on host
-    flat = idx.flatten()
-    order = flat.argsort(stable=True)
-    counts = torch.zeros(E + 1, dtype=torch.int64, device=x.device).index_add_(0, flat, torch.ones_like(flat))
-    padded = (counts + bm - 1) // bm * bm
-    pad_end, cnt_end = padded.cumsum(0), counts.cumsum(0)
-    e_sorted = flat[order]
-    dest = (
-        pad_end[e_sorted] - padded[e_sorted] + torch.arange(P, device=x.device) - (cnt_end - counts)[e_sorted]
-    )
-    R = n_blocks * bm
-    token = torch.full((R,), -1, dtype=torch.int64, device=x.device).index_put_((dest,), order // A)
-    pos = torch.empty_like(dest).scatter_(0, order, dest)  # [P]: the sorted row of pair (t, a)
-    starts = torch.arange(n_blocks, device=x.device) * bm
-    experts = torch.searchsorted(pad_end, starts, right=True).to(torch.int32)
-    experts = torch.where(experts < E, experts, -1)
+    token, pos, experts = moe_layout(idx, E)
+    R = len(token)
     q, s = act_quant(x)
     h = _gemm(q, s, w13, s13, R, I2, rows=token, experts=experts)  # [R, 2I] bf16
     q, s = act_quant(h, swiglu=True)  # SwiGLU's activation, quantized
@@ -921,19 +969,26 @@ def _index_quant_kernel(
     cos_ptr,
     sin_ptr,
     had_ptr,
+    norm_w_ptr,
+    norm_b_ptr,
+    slots_ptr,
     q_ptr,
     s_ptr,
     M,
     heads,
     x_stride,
-    norm,
+    had_scale,
+    eps,
     R: tl.constexpr,
     J: tl.constexpr,
     BLOCK_M: tl.constexpr,
+    NORM: tl.constexpr,
+    SLOTS: tl.constexpr,
 ):
-    """BLOCK_M rows (row r: token r // heads): RoPE on the first R dims (half-split pairs), rounded to bf16;
-    the Hadamard transform as one tensor-core product with the +-1 Sylvester matrix (exact bf16 products,
-    fp32 sums), times n^-0.5, rounded to bf16; then FP8 with one pow2 scale per row."""
+    """BLOCK_M rows (row r: token r // heads): NORM: LayerNorm first (fp32, weight and bias), rounded to
+    bf16; RoPE on the first R dims (half-split pairs), rounded to bf16; the Hadamard transform as one
+    tensor-core product with the +-1 Sylvester matrix (exact bf16 products, fp32 sums), times J^-0.5, rounded
+    to bf16; then FP8 with one pow2 scale per row, written to row r, or SLOTS: to cache row slots[r]."""
     r = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     valid = r < M
     r = r.to(tl.int64)
@@ -945,6 +1000,8 @@ def _index_quant_kernel(
     x = tl.load(x_ptr + r[:, None] * x_stride + c[None, :], mask=valid[:, None], other=0.0).to(tl.float32)
     pair_mask = valid[:, None] & rot[None, :]
     xp = tl.load(x_ptr + r[:, None] * x_stride + partner[None, :], mask=pair_mask, other=0.0).to(tl.float32)
+    if NORM:
+        x, xp = _layer_norm(x, xp, partner, norm_w_ptr, norm_b_ptr, eps, J)
     i = c % (R // 2)
     cos = tl.load(cos_ptr + t[:, None] * (R // 2) + i[None, :], mask=pair_mask, other=0.0)
     sin = tl.load(sin_ptr + t[:, None] * (R // 2) + i[None, :], mask=pair_mask, other=0.0)
@@ -952,18 +1009,34 @@ def _index_quant_kernel(
     second = _rotate(xp, x, cos, sin, False)  # x is the second
     y = tl.where(half[None, :], first, tl.where(rot[None, :], second, x)).to(tl.bfloat16)
     had = tl.load(had_ptr + c[:, None] * J + c[None, :])
-    h = (tl.dot(y, had) * norm).to(tl.bfloat16).to(tl.float32)
+    h = (tl.dot(y, had) * had_scale).to(tl.bfloat16).to(tl.float32)
     q, s = _pow2_quant(h)
-    tl.store(q_ptr + r[:, None] * J + c[None, :], q, mask=valid[:, None])
-    tl.store(s_ptr + r, s, mask=valid)
+    out = r
+    if SLOTS:
+        out = tl.load(slots_ptr + r, mask=valid, other=0)
+    tl.store(q_ptr + out[:, None] * J + c[None, :], q, mask=valid[:, None])
+    tl.store(s_ptr + out, s, mask=valid)
+
+
+@triton.jit
+def _layer_norm(x, xp, partner, w_ptr, b_ptr, eps, J: tl.constexpr):
+    """LayerNorm of each row of x [rows, J] (fp32, mean then variance, as two fixed-order sums), rounded to
+    bf16; xp holds the same rows permuted by `partner` and is normalized alike."""
+    c = tl.arange(0, J)
+    mean = tl.sum(x, 1) / J
+    var = tl.sum((x - mean[:, None]) * (x - mean[:, None]), 1) / J
+    inv = tl.rsqrt(var + eps)[:, None]
+    y = (x - mean[:, None]) * inv * tl.load(w_ptr + c)[None, :] + tl.load(b_ptr + c)[None, :]
+    yp = (xp - mean[:, None]) * inv * tl.load(w_ptr + partner)[None, :] + tl.load(b_ptr + partner)[None, :]
+    return y.to(tl.bfloat16).to(tl.float32), yp.to(tl.bfloat16).to(tl.float32)
 
 
 _SYLVESTER = {}  # (n, device): the n x n +-1 Sylvester-Hadamard matrix
 
 
-def index_quant(x, cos, sin):
-    """Kernel of nano_nsa.index_quant: x [T, J] (keys) or [T, I, J] (queries) -> (q8 like x, s [..., 1]), one
-    launch. (The reference's 7-stage butterfly is ~30 small kernels.)"""
+def _index_quant(x, cos, sin, q, s, slots=None, norm=(None, None, 0.0)):
+    """Launches _index_quant_kernel over x [T, J] or [T, I, J]: FP8 rows into q and pow2 scales into s (at
+    rows `slots` if given); norm: LayerNorm's (weight, bias, eps) to apply first."""
     J = x.shape[-1]
     if (J, x.device) not in _SYLVESTER:  # built at the first (eager) call, before any graph capture
         h = torch.ones(1, 1)
@@ -975,8 +1048,6 @@ def index_quant(x, cos, sin):
         x2 = x2.contiguous()
     M = x2.shape[0]
     heads = M // max(x.shape[0], 1)
-    q = torch.empty(M, J, dtype=torch.float8_e4m3fn, device=x.device)
-    s = torch.empty(M, dtype=torch.float32, device=x.device)
     BLOCK_M = 16
     if M:
         _index_quant_kernel[(triton.cdiv(M, BLOCK_M),)](
@@ -984,19 +1055,37 @@ def index_quant(x, cos, sin):
             cos,
             sin,
             _SYLVESTER[J, x.device],
+            *norm[:2],
+            slots,
             q,
             s,
             M,
             heads,
             x2.stride(0),
             J**-0.5,
+            norm[2],
             R=2 * cos.shape[-1],
             J=J,
             BLOCK_M=BLOCK_M,
+            NORM=norm[0] is not None,
+            SLOTS=slots is not None,
             num_warps=4,
             enable_fp_fusion=False,
         )
-    return q.view(x.shape), s.view(*x.shape[:-1], 1)
+
+
+def index_quant(x, cos, sin):
+    """Kernel of nano_nsa.index_quant: x [T, J] (keys) or [T, I, J] (queries) -> (q8 like x, s [..., 1]), one
+    launch. (The reference's 7-stage butterfly is ~30 small kernels.)"""
+    q = torch.empty(x.shape, dtype=torch.float8_e4m3fn, device=x.device)
+    s = torch.empty(x.shape[:-1], dtype=torch.float32, device=x.device)
+    _index_quant(x, cos, sin, q, s)
+    return q, s[..., None]
+
+
+def store_index_key(k, norm_weight, norm_bias, eps, cos, sin, cache, slots):
+    """Kernel of nano_nsa.store_index_key: LayerNorm, RoPE, Hadamard, FP8 and the cache write, one launch."""
+    _index_quant(k, cos, sin, cache.ik, cache.iks, slots, (norm_weight, norm_bias, eps))
 
 
 # ------------------------------------------------------------------------------------------------------------
@@ -1011,6 +1100,7 @@ def bf16_dtype(w):
 GPU_OPS = SimpleNamespace(
     name="kernels.py (Triton sparse MLA, indexer, FP8 / bf16 GEMMs and MoE; SDPA prefill)",
     index_quant=index_quant,
+    store_index_key=store_index_key,
     index_topk=index_topk,
     sparse_mla=sparse_mla,
     dense_attention=dense_attention,

@@ -425,7 +425,33 @@ HF_TO_OURS = {
 }
 MTP_OWN = {"embed_tokens", "enorm", "hnorm", "eh_proj", "shared_head"}  # MTP-layer names outside its block
 EXPERT = re.compile(r"(.*\.experts)\.(\d+)\.(w[123])\.(weight|scale)$")  # a routed expert's: stacked
-HALF = re.compile(r"(.*)\.(w[13])\.(weight|scale)$")  # gate_proj / up_proj: the two halves of w13
+# Weights apart in the checkpoint that one product reads here, stacked by rows at load (load_target): every
+# SwiGLU MLP's gate_proj | up_proj (w13), and MLA's q_a_proj | indexer.wk | kv_a_proj_with_mqa (wqkv_a: the
+# three read the same x). Each part starts on a whole 128-row block (kv_a's 576 rows go last), so the block
+# scales stack alike.
+STACKED = re.compile(r"(.*)\.(w1|w3|wq_a|indexer\.wk|wkv_a)\.(weight|scale)$")
+
+
+def stack_of(key):
+    """(the stacked parameter, the part) for our name of a part of a stacked weight; else (key, None)."""
+    match = STACKED.match(key)
+    if match is None:
+        return key, None
+    prefix, part, kind = match.groups()
+    stack = "w13" if part in ("w1", "w3") else "wqkv_a"
+    return f"{prefix}.{stack}.{kind}", part
+
+
+def stacked_rows(cfg: Config, part, stack_rows, unit):
+    """The rows of a stacked parameter (stack_rows of them) that `part` fills: in weight rows (unit 1) or in
+    block-scale rows (unit BLOCK)."""
+    if part in ("w1", "w3"):  # two halves
+        half = stack_rows // 2
+        return slice(half if part == "w3" else 0, half if part == "w1" else stack_rows)
+    Q, J = cfg.q_lora_rank, cfg.index_head_dim
+    end = Q + J + cfg.kv_lora_rank + cfg.qk_rope_head_dim
+    first, last = {"wq_a": (0, Q), "indexer.wk": (Q, Q + J), "wkv_a": (Q + J, end)}[part]
+    return slice(first // unit, -(-last // unit))
 
 
 def ours_name(cfg: Config, hf_name: str) -> str:
@@ -762,6 +788,15 @@ def index_quant(x, cos, sin):
     return act_quant(hadamard(x))
 
 
+def store_index_key(k, norm_weight, norm_bias, eps, cos, sin, cache: LayerCache, slots):
+    """The indexer's cache write for this pass's tokens (the reference of its kernel): the key k [T, J] (wk's
+    output) LayerNormed in fp32 (k_norm), rounded to bf16, then index_quant, into the cache rows `slots`."""
+    k = F.layer_norm(k.float(), k.shape[-1:], norm_weight, norm_bias, eps).to(BF16)
+    k8, ks = index_quant(k, cos, sin)  # [T, J] fp8, [T, 1]
+    cache.ik[slots] = k8
+    cache.iks[slots] = ks[:, 0]
+
+
 def index_scores(q8, head_weights, k8, ks):
     """I[t, n] = ks[n] * sum_h w[t, h] * relu(q8[t, h] . k8[n]), fp32 (the reference `fp8_index`). q8 [T,
     I, J] fp8; head_weights w [T, I] fp32 (the q scale folded in); k8 [T or 1, N, J]; ks [T or 1, N]."""
@@ -803,19 +838,17 @@ class Indexer(nn.Module):
         super().__init__()
         self.cfg = cfg
         self.wq_b = Linear(cfg.q_lora_rank, cfg.index_n_heads * cfg.index_head_dim)
-        self.wk = Linear(cfg.dim, cfg.index_head_dim)
+        # the key projection wk is part of MLA's wqkv_a (it reads the same x)
         self.k_norm = nn.LayerNorm(cfg.index_head_dim, cfg.eps).requires_grad_(False)  # fp32 weight and bias
         self.weights_proj = Linear(cfg.dim, cfg.index_n_heads, fp8=False, dtype=torch.float32)
 
-    def forward(self, x, qr, cos, sin, meta: Meta, cache: LayerCache):
-        """-> [T, min(K, N)] selected context positions per row (-1 = none), or None for a dense prompt chunk.
-        Writes this pass's keys first, so every row can select its own token."""
+    def forward(self, x, qr, k, cos, sin, meta: Meta, cache: LayerCache):
+        """x [T, dim], qr [T, q_lora] (MLA's normed query latent), k [T, J] (x's key projection, wk) -> [T,
+        min(K, N)] selected context positions per row (-1 = none), or None for a dense prompt chunk. Writes
+        this pass's keys first, so every row can select its own token."""
         cfg, T = self.cfg, x.shape[0]
-        k8, ks = self.ops.index_quant(
-            self.k_norm(self.wk(x).float()).to(BF16), cos, sin
-        )  # [T, J] fp8, [T, 1]
-        cache.ik[meta.slots] = k8
-        cache.iks[meta.slots] = ks[:, 0]
+        norm = self.k_norm
+        self.ops.store_index_key(k, norm.weight, norm.bias, norm.eps, cos, sin, cache, meta.slots)
         if meta.dense(cfg.index_topk):  # the whole context is selected: only the keys are needed
             return None
         if meta.max_ctx <= cfg.index_topk:  # every row selects its whole context (SGLang skips too)
@@ -888,10 +921,12 @@ class MLA(nn.Module):
         super().__init__()
         self.cfg = cfg
         H = cfg.n_heads  # split over ranks: q_b / kv_b rows and o_proj columns of this rank's heads
-        self.wq_a = Linear(cfg.dim, cfg.q_lora_rank)
+        # q_a_proj | the indexer's wk | kv_a_proj_with_mqa: the three products of x as one (see STACKED)
+        self.wqkv_a = Linear(
+            cfg.dim, cfg.q_lora_rank + cfg.index_head_dim + cfg.kv_lora_rank + cfg.qk_rope_head_dim
+        )
         self.q_norm = RMSNorm(cfg.q_lora_rank, cfg.eps)
         self.wq_b = Linear(cfg.q_lora_rank, H * cfg.qk_head_dim, split="col")
-        self.wkv_a = Linear(cfg.dim, cfg.kv_lora_rank + cfg.qk_rope_head_dim)
         self.kv_norm = RMSNorm(cfg.kv_lora_rank, cfg.eps)
         self.wkv_b = Linear(cfg.kv_lora_rank, H * (cfg.qk_nope_head_dim + cfg.v_head_dim), split="col")
         self.wo = Linear(H * cfg.v_head_dim, cfg.dim, split="row")
@@ -904,12 +939,13 @@ class MLA(nn.Module):
         same function."""
         cfg, T = self.cfg, x.shape[0]
         H, D, R, C = cfg.n_heads // tp_size(), cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.kv_lora_rank
-        qr = self.q_norm(self.wq_a(x))  # [T, q_lora]; shared with the indexer
+        q_a, k_index, kv_a = self.wqkv_a(x).split([cfg.q_lora_rank, cfg.index_head_dim, C + R], -1)
+        qr = self.q_norm(q_a)  # [T, q_lora]; shared with the indexer
         q_nope, q_pe = self.wq_b(qr).view(T, H, D + R).split([D, R], -1)  # [T, H, D], [T, H, R]
         q_pe = self.ops.rope(q_pe, cos, sin, interleaved=True)
-        kv, k_pe = self.wkv_a(x).split([C, R], -1)  # [T, C], [T, R]
+        kv, k_pe = kv_a.split([C, R], -1)  # [T, C], [T, R]
         self.ops.store_latent(kv, k_pe, self.kv_norm.weight, self.kv_norm.eps, cos, sin, cache, meta.slots)
-        selected = self.indexer(x, qr, cos, sin, meta, cache)  # [T, K'] context positions, -1 = none
+        selected = self.indexer(x, qr, k_index, cos, sin, meta, cache)  # [T, K'] context positions, -1 = none
         if selected is None:  # prompt chunks within top-k: dense causal attention, per head
             o = self.attend_chunks(q_nope, q_pe, meta, cache)
         else:  # every other row: sparse, absorbed
@@ -1208,7 +1244,8 @@ class KVCache:
 # TORCH_OPS (the readable references above, on any device) or kernels.GPU_OPS (the same names and signatures).
 TORCH_OPS = SimpleNamespace(
     name="torch reference",
-    index_quant=index_quant,  # indexer q / k: Hadamard + FP8 quantization      (Indexer)
+    index_quant=index_quant,  # indexer queries: RoPE, Hadamard, FP8               (Indexer)
+    store_index_key=store_index_key,  # indexer keys: LayerNorm, index_quant, cache write (Indexer)
     index_topk=index_topk,  # indexer scores + causal mask + top-k            (Indexer)
     sparse_mla=sparse_mla,  # absorbed sparse attention, one row per token   (MLA: decode/verify/long)
     dense_attention=dense_attention,  # causal per-head attention of short prompts  (MLA: prefill)
@@ -1386,9 +1423,9 @@ def open_checkpoint(path) -> Config:
 
 
 def load_target(params, cfg: Config, hf_name: str):
-    """The model tensor a checkpoint tensor is loaded into: its parameter, or a slice of a stacked one:
-    gate_proj -> w13[:I] and up_proj -> w13[I:] (every SwiGLU MLP's, one product), a routed expert's at its
-    index in this rank's stack (w13[e], w2[e]); None for another rank's expert."""
+    """The model tensor a checkpoint tensor is loaded into: its parameter, or rows of a stacked one (STACKED:
+    gate_proj -> w13[:I], up_proj -> w13[I:]; q_a_proj, indexer.wk, kv_a_proj_with_mqa -> wqkv_a), a routed
+    expert's at its index in this rank's stack (w13[e], w2[e]); None for another rank's expert."""
     key = ours_name(cfg, hf_name)
     expert = EXPERT.match(key)
     if expert:  # e.g. layers.3.ffn.experts.5.w1.weight -> layers.3.ffn.experts.w1.weight, index 5 - first
@@ -1397,15 +1434,13 @@ def load_target(params, cfg: Config, hf_name: str):
         index = int(expert[2]) - tp_rank() * per_rank
         if not 0 <= index < per_rank:
             return None
-    half = HALF.match(key)
-    if half:
-        key = f"{half[1]}.w13.{half[3]}"
+    key, part = stack_of(key)
     target = params[key]
     if expert:
         target = target[index]
-    if half:
-        rows = target.shape[0] // 2
-        target = target.narrow(0, rows if half[2] == "w3" else 0, rows)
+    if part:
+        unit = 1 if key.endswith(".weight") else BLOCK
+        target = target[stacked_rows(cfg, part, target.shape[0], unit)]
     return target
 
 

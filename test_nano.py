@@ -112,12 +112,21 @@ def prefill_capturing(model, n_tokens, seed, taps):
     return {name: v[0] for name, v in got.items()}, h, meta, cache
 
 
+def projection(attn, part, x):
+    """x times one part of MLA's stacked wqkv_a ("wq_a", "indexer.wk" or "wkv_a": the checkpoint's q_a_proj,
+    indexer.wk, kv_a_proj_with_mqa) as an FP8 linear of its own."""
+    lin = attn.wqkv_a
+    rows = m.stacked_rows(attn.cfg, part, lin.weight.shape[0], 1)
+    scale_rows = m.stacked_rows(attn.cfg, part, lin.scale.shape[0], m.BLOCK)
+    return m.fp8_linear(x, lin.weight[rows], lin.scale[scale_rows])
+
+
 def naive_mla(attn, x, pos, latent, kpe, allowed):
     """Per-head MLA in fp64 from spec 3.6: q from x, per-head K = [W_UK c, k_pe], V = W_UV c over the context
     latents c, softmax over `allowed` [S, N] keys. Returns the o_proj input [S, H*V]."""
     cfg = attn.cfg
     H, D, R, V = cfg.n_heads, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim
-    q = attn.wq_b(attn.q_norm(attn.wq_a(x))).view(len(x), H, D + R)
+    q = attn.wq_b(attn.q_norm(projection(attn, "wq_a", x))).view(len(x), H, D + R)
     q = torch.cat([q[..., :D], rope_ref(q[..., D:], pos, cfg, interleaved=True)], -1).double()
     w = m.weight_dequant(attn.wkv_b.weight, attn.wkv_b.scale).double().view(H, D + V, -1)
     k_nope = torch.einsum("hdc,nc->nhd", w[:, :D], latent.double())
@@ -191,7 +200,8 @@ def test_full_checkpoint_names_and_shapes():
 def test_full_width_model_matches_checkpoint_table():
     """The module tree built for the 671B config (on the meta device: no memory) has exactly the checkpoint's
     tensors under the name mapping, with the same shapes; the routed experts' tensors and every MLP's w1 / w3
-    fill their stacked parameters (w1 | w3 -> w13, w2) exactly, element for element."""
+    fill their stacked parameters (w1 | w3 -> w13, w2; q_a | indexer wk | kv_a -> wqkv_a) exactly, element for
+    element."""
     cfg = m.Config.full()
     with torch.device("meta"):
         model = m.Transformer(cfg)
@@ -200,7 +210,7 @@ def test_full_width_model_matches_checkpoint_table():
     for k, (shape, _kind) in m.checkpoint_tensors(cfg).items():
         assert list(m.load_target(params, cfg, k).shape) == shape, k
         owner = m.EXPERT.sub(lambda h: f"{h[1]}.{h[3]}.{h[4]}", m.ours_name(cfg, k))
-        owner = m.HALF.sub(lambda h: f"{h[1]}.w13.{h[3]}", owner)
+        owner = m.stack_of(owner)[0]
         filled[owner] += math.prod(shape)
     assert filled == {k: p.numel() for k, p in params.items()}
 
@@ -235,21 +245,21 @@ def test_write_load_round_trip_exact(tiny_dir, model):
             assert torch.equal(p.float(), t.float()), name  # bit-exact, upcasts are exact
             seen.add(name)
     assert seen == set(expected)
-    assert model.layers[0].attn.wq_a.weight.dtype == torch.float8_e4m3fn
+    assert model.layers[0].attn.wqkv_a.weight.dtype == torch.float8_e4m3fn
     assert model.norm.weight.dtype == torch.float32 and model.head.weight.dtype == torch.float32
 
 
 def test_weights_dequantized_at_load_give_the_same_logits(tiny_dir, model, monkeypatch):
     """The references' FP8 weights dequantized once at load (DEQUANTIZE_AT_LOAD_BYTES) vs at every call:
     the same values, so bit-identical logits, with and without MTP; the FP8 parameters stay as loaded."""
-    assert model.layers[0].attn.wq_a.dequantized is not None  # the tiny model is small enough
+    assert model.layers[0].attn.wqkv_a.dequantized is not None  # the tiny model is small enough
     prompts = mixed_prompts(3)
     at_load = {
         k: make_llm(tiny_dir, k).generate(prompts, max_new_tokens=6, return_logits=True) for k in (0, 2)
     }
     monkeypatch.setattr(m, "DEQUANTIZE_AT_LOAD_BYTES", 0)
     per_call_model = m.load_model(tiny_dir)
-    assert per_call_model.layers[0].attn.wq_a.dequantized is None
+    assert per_call_model.layers[0].attn.wqkv_a.dequantized is None
     for k, want in at_load.items():
         got = m.LLM(tiny_dir, device="cpu", mtp=k, model=per_call_model).generate(
             prompts, max_new_tokens=6, return_logits=True
@@ -325,7 +335,7 @@ def test_fp8_block_dequant_matches_source(model):
 # units that end-to-end logits on random weights cannot see (spec section 9)
 # ------------------------------------------------------------------------------------------------------------
 def test_activation_quantization_before_fp8_linear(model):
-    lin = model.layers[0].attn.wq_a
+    lin = model.layers[0].attn.wqkv_a
     x = (torch.randn(7, model.cfg.dim) * torch.logspace(-2, 1, model.cfg.dim)).to(torch.bfloat16)
     w = m.weight_dequant(lin.weight, lin.scale).double()
     want = (fake_quant_ref(x) @ w.T).to(torch.bfloat16)
@@ -342,7 +352,7 @@ def test_cached_latent_is_fp8_round_tripped(model):
     attn = model.layers[1].attn
     got, _, meta, cache = prefill_capturing(model, 40, 1, {"x": (attn, "input")})
     x = got["x"][0]
-    kv = attn.kv_norm(attn.wkv_a(x)[:, : model.cfg.kv_lora_rank])
+    kv = attn.kv_norm(projection(attn, "wkv_a", x)[:, : model.cfg.kv_lora_rank])
     cached = cache.layer(1).kv[meta.slots]
     assert torch.equal(cached.double(), fake_quant_ref(kv))
     assert not torch.equal(cached, kv), "the latent was cached without the FP8 round trip"
@@ -353,7 +363,8 @@ def test_indexer_key_uses_hadamard(model):
     cfg = model.cfg
     idx = model.layers[0].attn.indexer
     x = got["x"][0]
-    k = F.layer_norm(idx.wk(x).float(), (128,), idx.k_norm.weight, idx.k_norm.bias, cfg.eps)
+    k = projection(model.layers[0].attn, "indexer.wk", x).float()
+    k = F.layer_norm(k, (128,), idx.k_norm.weight, idx.k_norm.bias, cfg.eps)
     k = k.to(torch.bfloat16)
     k = torch.cat([rope_ref(k[:, :64], meta.positions, cfg, interleaved=False), k[:, 64:]], -1)
     with_h = fake_quant_ref((k.double() @ sylvester(128) / math.sqrt(128)).to(torch.bfloat16))
@@ -443,10 +454,11 @@ def test_indexer_selects_true_topk_and_attention_is_masked_dense(model):
     # independent fp32 recomputation of I[s, t] (spec 3.7), explicit Hadamard matrix and FP8 fake-quantization
     idx = attn.indexer
     H = sylvester(128) / math.sqrt(128)
-    qr = attn.q_norm(attn.wq_a(x))
+    qr = attn.q_norm(projection(attn, "wq_a", x))
     q = idx.wq_b(qr).view(S, cfg.index_n_heads, 128)
     q = torch.cat([rope_ref(q[..., :64], meta.positions, cfg, False), q[..., 64:]], -1)
-    k = F.layer_norm(idx.wk(x).float(), (128,), idx.k_norm.weight, idx.k_norm.bias, cfg.eps)
+    k = projection(attn, "indexer.wk", x).float()
+    k = F.layer_norm(k, (128,), idx.k_norm.weight, idx.k_norm.bias, cfg.eps)
     k = k.to(torch.bfloat16)
     k = torch.cat([rope_ref(k[:, :64], meta.positions, cfg, False), k[:, 64:]], -1)
     qh = fake_quant_ref((q.double() @ H).to(torch.bfloat16))
@@ -1225,12 +1237,27 @@ def _batch_op(op, batch, gen):
     if op == "act_quant":
         x = rows(7168)
         return lambda n: torch.cat([t.float().flatten(1) for t in kernels.act_quant(x[:n])], 1)
-    if op in ("index_quant_q", "index_quant_k"):  # the indexer's queries (64 heads) and keys (one)
-        x = rows(64, 128) if op == "index_quant_q" else rows(128)
+    if op == "index_quant_q":  # the indexer's queries (64 heads)
+        x = rows(64, 128)
         cos, sin = m.rope_cos_sin(cfg, torch.randint(0, 100000, (batch,), device="cuda", generator=gen))
         return lambda n: torch.cat(
             [t.float().flatten(1) for t in kernels.index_quant(x[:n], cos[:n], sin[:n])], 1
         )
+    if op == "store_index_key":  # the indexer's keys, LayerNorm included, written to slots 0 .. n - 1
+        x = rows(128, scale=3.0)
+        norm_weight = torch.rand(128, device="cuda", generator=gen) + 0.5
+        norm_bias = torch.randn(128, device="cuda", generator=gen) * 0.1
+        cos, sin = m.rope_cos_sin(cfg, torch.randint(0, 100000, (batch,), device="cuda", generator=gen))
+        cache = m.LayerCache(
+            None, torch.zeros(batch, 128, dtype=m.FP8, device="cuda"), torch.zeros(batch, device="cuda"), 0
+        )
+
+        def keys(n):
+            slots = torch.arange(n, device="cuda")
+            kernels.store_index_key(x[:n], norm_weight, norm_bias, 1e-6, cos[:n], sin[:n], cache, slots)
+            return torch.cat([cache.ik[:n].float(), cache.iks[:n, None]], 1)
+
+        return keys
     if op == "rope_q":  # MLA's query rotation, on the strided q_pe view of q_b's output
         q = rows(128, 192)[..., 128:]
         cos, sin = m.rope_cos_sin(cfg, torch.randint(0, 100000, (batch,), device="cuda", generator=gen))
@@ -1249,12 +1276,10 @@ def _batch_op(op, batch, gen):
         x = rows(dim)
         residual = rows(dim)
         return lambda n: torch.cat(kernels.rms_norm(x[:n], residual[:n], weight, 1e-6), 1)
-    if op == "layernorm":
-        norm = torch.nn.LayerNorm(128, 1e-6).cuda()
-        x = rows(128).float()
-        return lambda n: norm(x[:n])
     if op.startswith("fp8_linear"):
-        shapes = dict(fp8_linear_wq_a=(1536, 7168), fp8_linear_wo=(7168, 16384), fp8_linear_wkv_a=(576, 7168))
+        shapes = dict(
+            fp8_linear_wqkv_a=(2240, 7168), fp8_linear_wo=(7168, 16384), fp8_linear_wq_b=(24576, 1536)
+        )
         n_out, k = shapes[op]
         w, scale = _random_fp8(n_out, k, gen)
         x = rows(k)
@@ -1305,8 +1330,8 @@ def _batch_op(op, batch, gen):
     )
 
 
-BATCH_OPS = ["act_quant", "index_quant_q", "index_quant_k", "rmsnorm", "rmsnorm_q", "layernorm"]
-BATCH_OPS += ["fp8_linear_wq_a", "fp8_linear_wkv_a", "fp8_linear_wo"]
+BATCH_OPS = ["act_quant", "index_quant_q", "store_index_key", "rmsnorm", "rmsnorm_q"]
+BATCH_OPS += ["fp8_linear_wqkv_a", "fp8_linear_wq_b", "fp8_linear_wo"]
 BATCH_OPS += ["dense_linear_head", "dense_linear_weights_proj", "dense_linear_eh_proj", "gate"]
 BATCH_OPS += ["rope_q", "swiglu_linear", "route"]
 BATCH_OPS += ["absorb_q", "absorb_o", "moe", "index_topk", "sparse_mla"]
@@ -1455,6 +1480,36 @@ def test_gpu_index_quant_kernel_matches_reference(heads):
     assert q.shape == q_ref.shape and s.shape == s_ref.shape
     differ = (q.float() != q_ref.float()).float().mean().item()
     assert (s == s_ref).float().mean().item() > 0.999 and differ < 1e-3, differ
+
+
+@gpu
+@pytest.mark.parametrize("T", [1, 5, 300])
+def test_gpu_store_index_key_matches_reference(T):
+    """The indexer's cache write in one kernel (LayerNorm, RoPE, Hadamard, FP8, the slot writes) vs the
+    reference (F.layer_norm, index_quant, two index writes) into random slots of a pool: only the written rows
+    change; the scales and FP8 values equal except where the two fp32 summation orders (the norm's, the
+    Hadamard's) round a value to a neighbouring bf16 (at most 1% of values)."""
+    import kernels
+
+    gen = torch.Generator("cuda").manual_seed(T)
+    k = (torch.randn(T, 128, device="cuda", generator=gen) * 3 + 1).to(m.BF16)
+    norm_weight = torch.rand(128, device="cuda", generator=gen) + 0.5
+    norm_bias = torch.randn(128, device="cuda", generator=gen) * 0.1
+    cos, sin = m.rope_cos_sin(m.Config(), torch.randint(0, 160000, (T,), device="cuda", generator=gen))
+    S = 2 * T + 8
+    slots = torch.randperm(S, device="cuda", generator=gen)[:T]
+    ik = (torch.randn(S, 128, device="cuda", generator=gen) * 8).to(m.FP8)
+    iks = torch.rand(S, device="cuda", generator=gen)
+    caches = [m.LayerCache(None, ik.clone(), iks.clone(), 0) for _ in range(2)]
+    kernels.store_index_key(k, norm_weight, norm_bias, 1e-6, cos, sin, caches[0], slots)
+    m.store_index_key(k, norm_weight, norm_bias, 1e-6, cos, sin, caches[1], slots)
+    got, want = caches[0].ik.float(), caches[1].ik.float()
+    untouched = torch.ones(S, dtype=torch.bool, device="cuda").index_fill_(0, slots, False)
+    assert torch.equal(got[untouched], want[untouched])
+    assert torch.equal(caches[0].iks[untouched], caches[1].iks[untouched])
+    assert not torch.equal(got[slots], ik[slots].float())  # the rows were written
+    assert (caches[0].iks[slots] == caches[1].iks[slots]).float().mean().item() >= 0.99
+    assert (got[slots] != want[slots]).float().mean().item() <= 0.01
 
 
 @gpu
@@ -2308,14 +2363,50 @@ def experts_full():
     return _fp8_weight(256, 4096, 7168, gen=gen) + _fp8_weight(256, 7168, 2048, gen=gen)
 
 
+def _moe_layout_reference(idx, E, block):
+    """The grouped GEMMs' row layout, written out: experts 0 .. E (E: another rank's, as expert -1) in order,
+    each one's (token, choice) pairs in pair order, padded with -1 rows to whole blocks; then -1 rows up to
+    the launch's upper bound. -> (token per row, row of each pair, expert per block)."""
+    T, A = idx.shape
+    flat = idx.flatten().tolist()
+    n_blocks = min(E + 1, T * A) + -(-T * A // block)
+    token, pos, experts = [], [0] * (T * A), []
+    for e in range(E + 1):
+        pairs = [p for p, x in enumerate(flat) if x == e]
+        for p in pairs:
+            pos[p] = len(token)
+            token.append(p // A)
+        token += [-1] * (-len(pairs) % block)
+        experts += [e if e < E else -1] * (-(-len(pairs) // block))
+    token += [-1] * (n_blocks * block - len(token))
+    experts += [-1] * (n_blocks - len(experts))
+    return token, pos, experts
+
+
 @gpu
-@pytest.mark.parametrize("case", ["random", "one_expert_for_all"])
+@pytest.mark.parametrize("T,A,E", [(1, 8, 256), (4, 8, 256), (300, 8, 256), (7, 2, 8), (2048, 8, 256)])
+def test_gpu_moe_layout_kernel_is_the_sorted_layout(T, A, E):
+    """The one-launch layout of kernels.moe (counts, padded offsets, each pair's row, each block's expert) is
+    exactly the written-out layout, with a third of the choices another rank's expert (idx E)."""
+    import kernels
+
+    gen = torch.Generator("cuda").manual_seed(T)
+    idx = torch.rand(T, E, generator=gen, device="cuda").topk(A, -1).indices
+    idx = torch.where(torch.rand(T, A, generator=gen, device="cuda") < 0.3, E, idx)
+    want = _moe_layout_reference(idx, E, kernels.GEMM_BLOCK_M)
+    got = kernels.moe_layout(idx, E)
+    assert [t.tolist() for t in got] == list(want)
+
+
+@gpu
+@pytest.mark.parametrize("case", ["random", "one_expert_for_all", "other_ranks"])
 @pytest.mark.parametrize("T", [1, 4, 16, 64, 512])
 def test_gpu_moe_kernel_matches_reference(experts_full, T, case):
     """Grouped FP8 MoE vs the per-expert reference loop: 256 experts, top-8, dim 7168, moe_inter 2048; tokens
-    that all pick the same expert, and (at small T) most experts picked by no token. Bound 1e-2 relative: two
-    bf16 roundings (h, expert output), FP8 tensor-core accumulation, and the rare h element whose act-quant
-    rounding flips by one e4m3 step between the two summation orders."""
+    that all pick the same expert, (at small T) most experts picked by no token, and choices of another rank's
+    experts (idx 256: skipped). Bound 1e-2 relative: two bf16 roundings (h, expert output), FP8 tensor-core
+    accumulation, and the rare h element whose act-quant rounding flips by one e4m3 step between the two
+    summation orders."""
     import kernels
 
     gen = torch.Generator("cuda").manual_seed(T + len(case))
@@ -2323,6 +2414,8 @@ def test_gpu_moe_kernel_matches_reference(experts_full, T, case):
     if case == "one_expert_for_all":
         idx[:, 0] = 3
         idx[:, 1:] = torch.where(idx[:, 1:] == 3, 200, idx[:, 1:])
+    if case == "other_ranks":
+        idx = torch.where(torch.rand(T, 8, generator=gen, device="cuda") < 0.3, 256, idx)
     weights = torch.rand(T, 8, generator=gen, device="cuda") + 0.1
     x = torch.randn(T, 7168, generator=gen, device="cuda").to(m.BF16)
     got = kernels.moe(x, weights, idx, *experts_full)
