@@ -99,6 +99,32 @@ def _index_keys_kernel(
     tl.store(out_ptr + t.to(tl.int64) * out_stride + n, key, mask=n < out_stride)
 
 
+@triton.jit
+def _rank_select_kernel(keys_ptr, ctx_ptr, out_ptr, N, width, BLOCK_I: tl.constexpr, BLOCK_J: tl.constexpr):
+    """One (row t, block of positions i): the top-`width` positions of the row's keys, sorted by key,
+    descending, without a sort: the keys are distinct, so position i's rank (how many of the row's keys are
+    larger) is its place, and it is written to out[t, rank] if rank < width. A row whose context fits in
+    width (ctx <= width) selects its whole context instead, in position order, then -1."""
+    t = tl.program_id(0).to(tl.int64)
+    i = tl.program_id(1) * BLOCK_I + tl.arange(0, BLOCK_I)
+    ctx = tl.load(ctx_ptr + t)
+    out = out_ptr + t * width
+    if ctx <= width:
+        tl.store(out + i, tl.where(i < ctx, i, -1).to(tl.int64), mask=i < width)
+    elif tl.program_id(1) * BLOCK_I < ctx:
+        row = keys_ptr + t * N
+        key = tl.load(row + i, mask=i < ctx, other=-(2**63))
+        rank = tl.zeros([BLOCK_I], tl.int32)
+        for j0 in range(0, ctx, BLOCK_J):  # keys past the context are the smallest: never larger
+            j = j0 + tl.arange(0, BLOCK_J)
+            other = tl.load(row + j, mask=j < ctx, other=-(2**63))
+            rank += tl.sum((other[None, :] > key[:, None]).to(tl.int32), 1)
+        tl.store(out + rank, i.to(tl.int64), mask=(i < ctx) & (rank < width))
+
+
+RANK_SELECT_PAIRS = 1 << 28  # rows x N^2 key comparisons up to which the rank kernel replaces torch.topk
+
+
 def index_topk(q8, head_weights, cache, meta, topk):
     """Kernel of nano_nsa.index_topk: rows flattened over (request x draft position), each scoring only the
     keys below its own causal length, through its request's page-table row; then top-min(topk, N) per row."""
@@ -124,6 +150,12 @@ def index_topk(q8, head_weights, cache, meta, topk):
         num_warps=4,
     )
     width = min(topk, N)
+    if T * N * N <= RANK_SELECT_PAIRS:  # few rows, short contexts (decode at small batch): rank, no sort
+        selected = torch.empty(T, width, dtype=torch.int64, device=q8.device)
+        _rank_select_kernel[(T, triton.cdiv(N, 64))](
+            keys, meta.ctx_lens, selected, N, width, BLOCK_I=64, BLOCK_J=256, num_warps=4
+        )
+        return selected
     # sorted: the keys are distinct, so the order is unique (unsorted, it may follow torch's algorithm, which
     # depends on the number of rows), and sparse_mla sums a row's slots in that order
     idx = keys.topk(width, dim=-1, sorted=True).indices

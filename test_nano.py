@@ -1662,6 +1662,30 @@ def test_gpu_indexer_kernel_matches_reference(B, rows, ctx, heads, K):
     print(f"B={B} rows={rows} ctx={lens[:4]}: {mismatched} near-tie swaps over {T} rows")
 
 
+@gpu
+@pytest.mark.parametrize("B,rows,ctx", [(1, 1, 4096), (1, 4, 8000), (3, 2, None)])
+def test_gpu_rank_select_equals_topk(B, rows, ctx, monkeypatch):
+    """The indexer's two ways to its top-k give the same selection, element for element (its keys are
+    distinct, so the sorted top-k is unique): the rank kernel (few rows and short contexts) and torch.topk
+    (forced by RANK_SELECT_PAIRS = 0). Scores include many exact zeros (a third of the query heads are zero,
+    head weights of both signs) and rows whose context fits in top-k."""
+    import kernels
+
+    gen = torch.Generator("cuda").manual_seed(B + rows)
+    lens = [ctx] * B if ctx else [1500, 2049, 2600]
+    S = max(lens) * B + rows * B + 64
+    meta = _random_rows(lens, rows, gen, S)
+    cache = m.LayerCache(None, _rand_fp8(S, 128, gen=gen), torch.rand(S, generator=gen, device="cuda"), 512)
+    T = B * rows
+    q8 = _rand_fp8(T, 64, 128, gen=gen)
+    q8[:, ::3] = 0
+    w = torch.randn(T, 64, generator=gen, device="cuda") * 0.01
+    assert T * meta.max_ctx**2 <= kernels.RANK_SELECT_PAIRS
+    ranked = kernels.index_topk(q8, w, cache, meta, 2048)
+    monkeypatch.setattr(kernels, "RANK_SELECT_PAIRS", 0)
+    assert torch.equal(ranked, kernels.index_topk(q8, w, cache, meta, 2048))
+
+
 def _sparse_case(B, rows, ctx, gen, K=2048, H=128, C=512):
     lens = [ctx] * B if ctx else torch.randint(1, 40000, (B,), generator=gen, device="cuda").tolist()
     S = max(lens) * B + rows * B + 64
