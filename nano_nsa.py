@@ -2006,15 +2006,12 @@ class Runner:
         self.graphs = graphs
         self.device = cache.latent.device
 
-    def forward(self, kind, tokens, meta, h=None, mtp_layer=0):
-        """A forward pass of the decode round, replayed from a CUDA graph where the engine has them:
-        'verify' (the main model, k + 1 rows per request), 'extend' (the MTP layer over the same rows),
-        'draft' (MTP, 1 row each)."""
+    def forward(self, kind, tokens, meta, h=None, mtp_layer=0, head_rows=None):
+        """A forward pass of the decode round and its head (decode_pass), replayed from a CUDA graph where
+        the engine has them."""
         if self.graphs:
-            return self.graphs.run(kind, tokens, meta, h, mtp_layer)
-        if kind == "verify":
-            return self.model(tokens, meta, self.cache)
-        return self.model.mtp_forward(tokens, h, meta, self.cache, mtp_layer)
+            return self.graphs.run(kind, tokens, meta, h, mtp_layer, head_rows)
+        return decode_pass(self.model, self.cache, kind, tokens, meta, h, mtp_layer, head_rows)
 
     def prefill(self, chunks):
         """Prompt chunks [(request, first position, length)] through the main model, then the MTP layer
@@ -2042,7 +2039,8 @@ class Runner:
         hm = self.model.mtp_forward(torch.tensor(next_tokens, device=self.device), h, meta, self.cache)
         done = [b for b, r in enumerate(reqs) if live[b] and r.num_cached == r.prefill_target]
         if done:
-            self.draft([reqs[b] for b in done], hm[[last[b] for b in done]])
+            hm = hm[[last[b] for b in done]]
+            self.draft([reqs[b] for b in done], hm, self.model.mtp[0].logits(hm))
 
     def decode_round(self, reqs):
         """verify -> accept -> draft-extend -> draft, with one read-back of the GPU (in accept)."""
@@ -2051,9 +2049,8 @@ class Runner:
         live = [b for b, new in enumerate(emitted) if new]  # requests that go on
         if self.num_draft == 0 or not live:
             return
-        hm = self.draft_extend(meta, h, emitted)
-        last_accepted = [b * self.rows_per_request + len(emitted[b]) - 1 for b in live]
-        self.draft([reqs[b] for b in live], hm[last_accepted])
+        hm, logits = self.draft_extend(meta, h, emitted, live)
+        self.draft([reqs[b] for b in live], hm, logits)
 
     def verify(self, reqs):
         """The main model over every request's rows x_L, d_1..d_k -> (meta, hidden [B*(k+1), dim], logits
@@ -2068,9 +2065,8 @@ class Runner:
             drafts = torch.stack([r.draft for r in reqs])
         else:
             drafts = last[:, None][:, :0]  # [B, 0]
-        h = self.forward("verify", torch.cat([last[:, None], drafts], 1).flatten(), meta)
-        logits = self.model.logits(h).view(len(reqs), self.rows_per_request, -1)
-        return meta, h, logits, drafts
+        h, logits = self.forward("verify", torch.cat([last[:, None], drafts], 1).flatten(), meta)
+        return meta, h, logits.view(len(reqs), self.rows_per_request, -1), drafts
 
     def accept(self, reqs, logits, drafts):
         """The tokens each request emits this round. Greedy: the longest prefix of drafts equal to the main
@@ -2096,39 +2092,53 @@ class Runner:
             emitted.append(new if r.finish is None else [])
         return emitted
 
-    def draft_extend(self, meta, h, emitted):
+    def draft_extend(self, meta, h, emitted, live):
         """The MTP layer over the verify rows, pairs (h_{L+j}, x_{L+j+1}): the emitted tokens are the x's.
         Rows past a request's emitted tokens (and a finished request's rows) are padding: they write the
-        dummy slot 0."""
+        dummy slot 0. -> (MTP hidden, MTP logits) of the last emitted row of each request in `live`."""
         n = self.rows_per_request
         keep = torch.tensor([[j < len(new) for j in range(n)] for new in emitted]).flatten()
         next_tokens = torch.tensor([new + [0] * (n - len(new)) for new in emitted]).flatten()
         slots = torch.where(to_device(keep, self.device), meta.slots, 0)
-        return self.forward("extend", to_device(next_tokens, self.device), replace(meta, slots=slots), h)
+        last_emitted = to_device(torch.tensor([b * n + len(emitted[b]) - 1 for b in live]), self.device)
+        next_tokens = to_device(next_tokens, self.device)
+        return self.forward("extend", next_tokens, replace(meta, slots=slots), h, head_rows=last_emitted)
 
-    def draft(self, reqs, h):
-        """k draft tokens per request, left on the device (r.draft [k]): the first from the MTP hidden
-        state h of the row that just ran at position L-1; the rest from k-1 MTP decode steps at L, L+1,
-        ..., each fed the previous draft, over one Meta built once and shifted per step."""
-        picks = []  # (tokens [B], q per request) of each draft step
+    def draft(self, reqs, h, logits):
+        """k draft tokens per request, left on the device (r.draft [k]): the first from the MTP logits of
+        the row that just ran at position L-1 (h its hidden state); the rest from k-1 MTP decode steps at
+        L, L+1, ..., each fed the previous draft, over one Meta built once and shifted per step."""
+        chosen = [pick_drafts(reqs, logits)]  # (tokens [B], q per request) of each draft step
         meta = None
-        for step in range(self.num_draft):
-            mtp_layer = min(step, len(self.model.mtp) - 1)
+        for step in range(1, self.num_draft):
             if step == 1:
                 meta = Meta.build(
                     "decode", [r.num_cached for r in reqs], [1] * len(reqs), self.pool.table(reqs)
                 )
-            elif step > 1:
+            else:
                 meta = meta.step(1)
-            if step > 0:
-                h = self.forward("draft", picks[-1][0], meta, h, mtp_layer)
-            picks.append(pick_drafts(reqs, self.model.mtp[mtp_layer].logits(h)))
-        drafts = torch.stack([tokens for tokens, _ in picks], 1)  # [B, k]
+            mtp_layer = min(step, len(self.model.mtp) - 1)
+            h, logits = self.forward("draft", chosen[-1][0], meta, h, mtp_layer)
+            chosen.append(pick_drafts(reqs, logits))
+        drafts = torch.stack([tokens for tokens, _ in chosen], 1)  # [B, k]
         for b, r in enumerate(reqs):
             r.draft = drafts[b]
             r.q = None
             if r.temperature > 0:
-                r.q = torch.stack([q[b] for _, q in picks])
+                r.q = torch.stack([q[b] for _, q in chosen])
+
+
+def decode_pass(model, cache, kind, tokens, meta, h=None, mtp_layer=0, head_rows=None):
+    """One forward pass of a decode round and its head -> (hidden, fp32 logits): 'verify' the main model
+    over k + 1 rows per request, logits of every row; 'extend' the MTP layer over the same rows, hidden and
+    logits of the rows `head_rows` only (one per request); 'draft' MTP, one row per request."""
+    if kind == "verify":
+        h = model(tokens, meta, cache)
+        return h, model.logits(h)
+    h = model.mtp_forward(tokens, h, meta, cache, mtp_layer)
+    if head_rows is not None:
+        h = h[head_rows]
+    return h, model.mtp[mtp_layer].logits(h)
 
 
 # ---- CUDA graphs: the decode round's forward passes captured per batch-size bucket -------------------------
@@ -2165,6 +2175,7 @@ class CudaGraphs:
         self.slots = torch.zeros(rows, dtype=torch.long, device=dev)
         self.ctx = torch.zeros(rows, dtype=torch.long, device=dev)
         self.h = torch.zeros(rows, cfg.dim, dtype=BF16, device=dev)
+        self.head_rows = torch.zeros(max_bs, dtype=torch.long, device=dev)  # 'extend': one row per request
         self.table = torch.zeros(max_bs, self.max_width, dtype=torch.long, device=dev)
         self.graphs = {}
         self.pool = None
@@ -2212,10 +2223,14 @@ class CudaGraphs:
         self.slots[:T] = 0
         self.ctx[:T] = 1
 
+        head_rows = None
+        if kind == "extend":
+            head_rows = self.head_rows[:bs]
+
         def forward():
-            if kind == "verify":
-                return model(self.tokens[:T], meta, self.cache)
-            return model.mtp_forward(self.tokens[:T], self.h[:T], meta, self.cache, mtp_layer)
+            return decode_pass(
+                model, self.cache, kind, self.tokens[:T], meta, self.h[:T], mtp_layer, head_rows
+            )
 
         forward()  # warm-up: compiles and autotunes kernels
         torch.cuda.synchronize()
@@ -2229,7 +2244,7 @@ class CudaGraphs:
         self.pool = self.pool or graph.pool()  # all graphs share one memory pool
         self.graphs[kind, bs, width, mtp_layer] = (graph, meta, out)
 
-    def run(self, kind, tokens, meta, h=None, mtp_layer=0):
+    def run(self, kind, tokens, meta, h=None, mtp_layer=0, head_rows=None):
         n, B = self.rows[kind], meta.table.shape[0]
         bs = next(b for b in self.buckets[kind] if b >= B)
         width = self.width(meta.max_ctx)
@@ -2254,8 +2269,14 @@ class CudaGraphs:
         self.ctx[T:padded] = 1
         self.table[:B, : meta.table.shape[1]] = meta.table
         self.table[B:bs, 0] = 0
+        rows = T
+        if head_rows is not None:
+            rows = len(head_rows)
+            self.head_rows[:rows] = head_rows
+            self.head_rows[rows:bs] = 0
         graph.replay()
-        return out[:T]
+        h_out, logits = out
+        return h_out[:rows], logits[:rows]
 
 
 # ---- LLM: the engine, tying the parts together -------------------------------------------------------------

@@ -687,7 +687,7 @@ def oracle_drafts(monkeypatch, reference, wrong_every=3):
     `wrong_every`-th draft, so verify accepts runs of drafts and rejects others."""
     counter = [0]
 
-    def draft(self, reqs, h):
+    def draft(self, reqs, h, logits):
         drafts = [[] for _ in reqs]
         for j in range(self.num_draft):
             for b, r in enumerate(reqs):
@@ -957,8 +957,8 @@ def test_mtp_drafts_match_recomputed_mtp(tiny_dir, monkeypatch):
     records = []
     orig = m.Runner.draft
 
-    def draft(self, reqs, h):
-        orig(self, reqs, h)
+    def draft(self, reqs, h, logits):
+        orig(self, reqs, h, logits)
         records.extend((r.idx, r.num_cached, r.draft.tolist()) for r in reqs)
 
     monkeypatch.setattr(m.Runner, "draft", draft)
