@@ -723,10 +723,9 @@ class Meta:
     @classmethod
     def build(cls, mode, starts, lens, table):
         """Request b has rows for positions starts[b] .. starts[b] + lens[b] - 1."""
-        positions = torch.cat([torch.arange(s, s + n) for s, n in zip(starts, lens, strict=True)])
-        row_req = torch.repeat_interleave(torch.arange(len(lens)), torch.tensor(lens))
-        row_req = to_device(row_req, table.device)
-        pos = to_device(positions, table.device)
+        positions = [s + i for s, n in zip(starts, lens, strict=True) for i in range(n)]
+        row_req = [b for b, n in enumerate(lens) for _ in range(n)]
+        pos, row_req = to_device(torch.tensor([positions, row_req]), table.device)  # one copy
         return cls(
             mode,
             positions=pos,
@@ -735,8 +734,8 @@ class Meta:
             table=table,
             ctx_lens=pos + 1,
             cu_seqlens=list(accumulate(lens, initial=0)),
-            ctx_host=positions + 1,
-            max_ctx=int(positions.max()) + 1,
+            ctx_host=torch.tensor(positions) + 1,
+            max_ctx=max(positions) + 1,
         )
 
     def step(self, shift):
@@ -1839,6 +1838,8 @@ class PagePool:
         self.page_size = page_size
         self.device = cache.latent.device
         self.free = list(range(1, cache.latent.shape[1] // page_size))
+        self.changes = 0  # counts every change of any request's pages: the last table stays valid until then
+        self.last_table = (None, None)  # (changes, requests) -> their table, the last one made
 
     @property
     def free_slots(self):
@@ -1849,13 +1850,16 @@ class PagePool:
         need = -(-n_positions // self.page_size) - len(req.pages)
         if need > len(self.free):
             return False
-        req.pages += [self.free.pop() for _ in range(max(need, 0))]
+        if need > 0:
+            req.pages += [self.free.pop() for _ in range(need)]
+            self.changes += 1
         return True
 
     def release(self, req):
         self.free += req.pages
         req.pages = []
         req.page_row = None
+        self.changes += 1
 
     def swap_out(self, req):
         """Move a preempted request's KV (every layer, every slot of its pages) to host memory and give its
@@ -1883,7 +1887,11 @@ class PagePool:
         return True
 
     def table(self, reqs):
-        """[B, N] slot of every position of each request (the page size 1 view that the kernels read)."""
+        """[B, N] slot of every position of each request (the page size 1 view that the kernels read); the
+        last one made again while no pages changed (a decode round and its draft steps share one)."""
+        key = (self.changes, [id(r) for r in reqs])
+        if self.last_table[0] == key:
+            return self.last_table[1]
         pages = torch.zeros(len(reqs), max(len(r.pages) for r in reqs), dtype=torch.long)
         for b, r in enumerate(reqs):
             if r.page_row is None or len(r.page_row) != len(r.pages):
@@ -1891,7 +1899,9 @@ class PagePool:
             pages[b, : len(r.pages)] = r.page_row
         pages = to_device(pages, self.device)
         offsets = torch.arange(self.page_size, device=self.device)
-        return (pages[:, :, None] * self.page_size + offsets).flatten(1)
+        table = (pages[:, :, None] * self.page_size + offsets).flatten(1)
+        self.last_table = (key, table)
+        return table
 
 
 # ---- The scheduler: admission, chunked prefill, preemption -------------------------------------------------
@@ -2097,12 +2107,13 @@ class Runner:
         Rows past a request's emitted tokens (and a finished request's rows) are padding: they write the
         dummy slot 0. -> (MTP hidden, MTP logits) of the last emitted row of each request in `live`."""
         n = self.rows_per_request
-        keep = torch.tensor([[j < len(new) for j in range(n)] for new in emitted]).flatten()
-        next_tokens = torch.tensor([new + [0] * (n - len(new)) for new in emitted]).flatten()
-        slots = torch.where(to_device(keep, self.device), meta.slots, 0)
-        last_emitted = to_device(torch.tensor([b * n + len(emitted[b]) - 1 for b in live]), self.device)
-        next_tokens = to_device(next_tokens, self.device)
-        return self.forward("extend", next_tokens, replace(meta, slots=slots), h, head_rows=last_emitted)
+        keep = [int(j < len(new)) for new in emitted for j in range(n)]
+        next_tokens = [t for new in emitted for t in new + [0] * (n - len(new))]
+        last_emitted = [b * n + len(emitted[b]) - 1 for b in live]
+        host = torch.tensor(keep + next_tokens + last_emitted)
+        keep, next_tokens, last_emitted = to_device(host, self.device).split([len(keep)] * 2 + [len(live)])
+        meta = replace(meta, slots=meta.slots * keep)
+        return self.forward("extend", next_tokens, meta, h, head_rows=last_emitted)
 
     def draft(self, reqs, h, logits):
         """k draft tokens per request, left on the device (r.draft [k]): the first from the MTP logits of
