@@ -152,8 +152,8 @@ def index_topk(q8, head_weights, cache, meta, topk):
     width = min(topk, N)
     if T * N * N <= RANK_SELECT_PAIRS:  # few rows, short contexts (decode at small batch): rank, no sort
         selected = torch.empty(T, width, dtype=torch.int64, device=q8.device)
-        _rank_select_kernel[(T, triton.cdiv(N, 64))](
-            keys, meta.ctx_lens, selected, N, width, BLOCK_I=64, BLOCK_J=256, num_warps=4
+        _rank_select_kernel[(T, triton.cdiv(N, 16))](
+            keys, meta.ctx_lens, selected, N, width, BLOCK_I=16, BLOCK_J=512, num_warps=4
         )
         return selected
     # sorted: the keys are distinct, so the order is unique (unsorted, it may follow torch's algorithm, which
@@ -599,9 +599,10 @@ def swiglu_linear(h, w, scale, partial=False):
 
 
 @triton.jit
-def _combine_kernel(o_ptr, pos_ptr, w_ptr, y_ptr, D, A: tl.constexpr, BLOCK: tl.constexpr):
-    """y[t] = sum over a = 0..A-1, in that order, of w[t, a] * o[pos[t, a]] (fp32): a token's expert rows
-    gathered and summed in a fixed order (index_add_'s float atomics add them in any order)."""
+def _combine_kernel(o_ptr, pos_ptr, w_ptr, shared_ptr, y_ptr, D, A: tl.constexpr, BLOCK: tl.constexpr):
+    """y[t] = sum over a = 0..A-1, in that order, of w[t, a] * o[pos[t, a]] (fp32), then + shared[t]: a
+    token's expert rows gathered and summed in a fixed order (index_add_'s float atomics add them in any
+    order), then the shared expert's output."""
     t = tl.program_id(0).to(tl.int64)
     d = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = d < D
@@ -609,6 +610,7 @@ def _combine_kernel(o_ptr, pos_ptr, w_ptr, y_ptr, D, A: tl.constexpr, BLOCK: tl.
     for a in tl.static_range(A):
         row = tl.load(pos_ptr + t * A + a)
         acc += tl.load(o_ptr + row * D + d, mask=mask, other=0.0).to(tl.float32) * tl.load(w_ptr + t * A + a)
+    acc += tl.load(shared_ptr + t * D + d, mask=mask, other=0.0)
     tl.store(y_ptr + t * D + d, acc, mask=mask)
 
 
@@ -675,13 +677,14 @@ def moe_layout(idx, E):
     return token, pos, experts
 
 
-def moe(x, weights, idx, w13, s13, w2, s2):
+def moe(x, weights, idx, w13, s13, w2, s2, shared):
     """Kernel of nano_nsa.moe_experts, with no host synchronization: the (token, expert) pairs are sorted by
     expert into blocks of GEMM_BLOCK_M rows (each expert's rows padded to whole blocks, so a block reads one
     expert's weights: one launch, _moe_layout_kernel); one grouped FP8 GEMM for w1|w3, SwiGLU's activation
     with its act-quant, one grouped GEMM for w2, then each token's rows gathered back and summed in choice
-    order. Batch-invariant: one tile height and no split-K whatever the number of pairs, no atomics. Expert
-    parallel: idx E (another rank's expert) is sorted into blocks of expert -1, which the GEMMs skip."""
+    order, plus the shared expert's output. Batch-invariant: one tile height and no split-K whatever the
+    number of pairs, no atomics. Expert parallel: idx E (another rank's expert) is sorted into blocks of
+    expert -1, which the GEMMs skip."""
     T, A = idx.shape
     E, I2, dim = w13.shape
     token, pos, experts = moe_layout(idx, E)
@@ -693,7 +696,15 @@ def moe(x, weights, idx, w13, s13, w2, s2):
     y = torch.empty(T, dim, dtype=torch.float32, device=x.device)
     BLOCK = 1024
     _combine_kernel[(T, triton.cdiv(dim, BLOCK))](
-        o, pos, weights.float().contiguous(), y, dim, A=A, BLOCK=BLOCK, num_warps=4
+        o,
+        pos,
+        weights.float().contiguous(),
+        shared.float().contiguous(),
+        y,
+        dim,
+        A=A,
+        BLOCK=BLOCK,
+        num_warps=4,
     )
     return y
 
@@ -743,11 +754,12 @@ def head_linear(x, w):
 def _rms_norm_kernel(
     x_ptr, r_ptr, w_ptr, y_ptr, res_ptr, x_stride, D, eps, RES: tl.constexpr, BLOCK: tl.constexpr
 ):
-    """One row: (x + r) in fp32, its mean square summed in one fixed order, y = w * x / rms (bf16)."""
+    """One row: (x rounded to bf16 + r) in fp32, its mean square summed in one fixed order, y = w * x / rms
+    (bf16)."""
     row = tl.program_id(0).to(tl.int64)
     d = tl.arange(0, BLOCK)
     mask = d < D
-    x = tl.load(x_ptr + row * x_stride + d, mask=mask, other=0.0).to(tl.float32)
+    x = tl.load(x_ptr + row * x_stride + d, mask=mask, other=0.0).to(tl.bfloat16).to(tl.float32)
     if RES:
         x += tl.load(r_ptr + row * D + d, mask=mask, other=0.0).to(tl.float32)
         tl.store(res_ptr + row * D + d, x.to(tl.bfloat16), mask=mask)

@@ -596,10 +596,12 @@ class Linear(nn.Module):
 
 
 def rms_norm(x, residual, weight, eps):
-    """RMSNorm in fp32 with an fp32 weight, bf16 out. With `residual`: adds it first (fp32), and also returns
-    the new residual stream rounded to bf16, as the reference's fused form. (The kernel's reference: torch
-    splits a row's mean over more threads when there are fewer rows, so its bits depend on the batch.)"""
-    x = x.float()
+    """RMSNorm in fp32 with an fp32 weight, bf16 out, of x rounded to bf16 first (a block's half arrives as
+    its fp32 sum: rounded here, once, as the reference's layers return bf16). With `residual`: adds it first
+    (fp32), and also returns the new residual stream rounded to bf16, as the reference's fused form. (The
+    kernel's reference: torch splits a row's mean over more threads when there are fewer rows, so its bits
+    depend on the batch.)"""
+    x = x.to(BF16).float()
     if residual is not None:
         x = x + residual.float()
     y = (weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps))).to(BF16)
@@ -1043,10 +1045,11 @@ class Gate(nn.Module):
         )
 
 
-def moe_experts(x, weights, idx, w13, s13, w2, s2):
+def moe_experts(x, weights, idx, w13, s13, w2, s2, shared):
     """The routed experts of a MoE layer (the reference of the grouped MoE kernel): each a SwiGLU MLP over
-    the tokens that chose it, summed with their routing weights in fp32. x [T, dim] bf16; weights, idx [T,
-    A]; w13 [E, 2I, dim] (w1 | w3 fused), w2 [E, dim, I] FP8 with their block scales -> [T, dim] fp32.
+    the tokens that chose it, summed with their routing weights in fp32, then the shared expert's output
+    `shared` [T, dim] fp32 added. x [T, dim] bf16; weights, idx [T, A]; w13 [E, 2I, dim] (w1 | w3 fused), w2
+    [E, dim, I] FP8 with their block scales -> [T, dim] fp32.
     Grouped as the kernel: the (token, choice) pairs sorted by expert, one GEMM per expert over its rows (a
     row is quantized alike in any group: act_quant works per row, so each is quantized once)."""
     T, A = idx.shape
@@ -1055,7 +1058,7 @@ def moe_experts(x, weights, idx, w13, s13, w2, s2):
     pair = pair[idx.flatten()[pair] < len(w13)]  # idx E: another rank's, skipped
     y = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
     if len(pair) == 0:
-        return y
+        return y + shared
     experts, counts = idx.flatten()[pair].unique_consecutive(return_counts=True)
     groups = (experts.tolist(), counts.tolist())
     h = grouped_linear(act_dequant(*act_quant(x)).to(acc_dtype(x))[pair // A], w13, s13, *groups)  # [P, 2I]
@@ -1065,7 +1068,7 @@ def moe_experts(x, weights, idx, w13, s13, w2, s2):
     each[pair] = out.float() * weights.gather(1, order).flatten()[pair, None]
     for a in range(A):
         y += each.view(T, A, -1)[:, a]
-    return y
+    return y + shared
 
 
 def grouped_linear(rows, w, scales, experts, counts):
@@ -1106,8 +1109,8 @@ class MoE(nn.Module):
             idx = torch.where(
                 (idx >= first) & (idx < first + E), idx - first, E
             )  # E: another rank's, skipped
-        routed = self.ops.moe(x, weights, idx, *w13.operands(), *w2.operands())
-        return routed + self.shared_experts(x)
+        shared = self.shared_experts(x)
+        return self.ops.moe(x, weights, idx, *w13.operands(), *w2.operands(), shared)  # routed + shared
 
 
 # ---- Block, MTP layer, Transformer, KV cache (spec 3.10, 3.11) ---------------------------------------------
@@ -1125,12 +1128,12 @@ class Block(nn.Module):
             x = self.attn_norm(x)
         else:
             x, residual = self.attn_norm(x, residual)
-        # Each half's output is a sum of every rank's part, in fp32 (CPU: fp64), rounded to bf16 once: as at
-        # one rank (the reference all-reduces bf16 parts, which makes the tokens depend on the number of
-        # ranks)
-        x = all_reduce(self.attn(x, cos, sin, meta, cache)).to(BF16)
+        # Each half's output is a sum of every rank's part, in fp32 (CPU: fp64), rounded to bf16 once, by the
+        # norm that takes it: as at one rank (the reference all-reduces bf16 parts, which makes the tokens
+        # depend on the number of ranks)
+        x = all_reduce(self.attn(x, cos, sin, meta, cache))
         x, residual = self.ffn_norm(x, residual)
-        return all_reduce(self.ffn(x)).to(BF16), residual
+        return all_reduce(self.ffn(x)), residual  # (the FFN half's fp32 sum, the bf16 residual stream)
 
 
 class MTP(nn.Module):
@@ -1256,7 +1259,7 @@ TORCH_OPS = SimpleNamespace(
     swiglu_linear=swiglu_linear,  # SwiGLU's activation, then fp8_linear       (MLP)
     dense_linear=dense_linear,  # bf16/fp32 weights: lm_head, weights_proj, eh_proj (Linear)
     route=route,  # the router after its product: group-limited top-k, weights (Gate)
-    moe=moe_experts,  # routed experts, grouped, weighted sum               (MoE)
+    moe=moe_experts,  # routed experts, grouped, weighted sum, + shared expert (MoE)
     dequantize_fp8=True,  # FP8 weights dequantized once at load when small enough (DEQUANTIZE_AT_LOAD_BYTES)
     attn_dtype=acc_dtype,  # dtype of wkv_b's absorbed halves (exact: pow2-scaled FP8 fits bf16)
     dense_dtype=lambda w: w.dtype,  # dtype plain Linear weights are kept in (kernels: bf16, as stored)

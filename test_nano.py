@@ -376,8 +376,8 @@ def test_indexer_key_uses_hadamard(model):
 
 def test_final_norm_hidden_is_what_mtp_and_head_see(model):
     got, h, _, _ = prefill_capturing(model, 12, 3, {"last": (model.layers[-1], "output")})
-    x, residual = got["last"]
-    r = x.float() + residual.float()
+    x, residual = got["last"]  # the last FFN half as its unrounded sum: the norm rounds it to bf16 first
+    r = x.to(torch.bfloat16).float() + residual.float()
     want = (model.norm.weight * r * torch.rsqrt(r.pow(2).mean(-1, keepdim=True) + 1e-6)).to(torch.bfloat16)
     assert torch.equal(h, want), "forward must return the hidden state after the final norm"
     assert not torch.equal(h, r.to(torch.bfloat16))
@@ -611,8 +611,8 @@ def test_mtp_layer_matches_spec(model):
     ).to(torch.bfloat16)
     cache2 = m.KVCache(cfg, 512)
     cos, sin = m.rope_cos_sin(cfg, meta.positions)
-    x, res = mtp.block(u, None, cos, sin, meta, cache2.layer(cfg.n_layers))
-    want_h = rms(x.float() + res.float(), mtp.shared_head.norm.weight)
+    x, res = mtp.block(u, None, cos, sin, meta, cache2.layer(cfg.n_layers))  # x: the FFN half's unrounded sum
+    want_h = rms(x.to(torch.bfloat16).float() + res.float(), mtp.shared_head.norm.weight)
     want = (want_h.double() @ model.head.weight.double().T).float()  # shared_head.head == lm_head copy
     assert torch.equal(got_h, want_h)
     assert (got - want).abs().max() <= 1e-5 * want.abs().max()
@@ -1311,7 +1311,8 @@ def _batch_op(op, batch, gen):
         x = rows(7168)
         idx = torch.rand(batch, 256, device="cuda", generator=gen).topk(8, -1).indices
         weights = torch.rand(batch, 8, device="cuda", generator=gen)
-        return lambda n: kernels.moe(x[:n], weights[:n], idx[:n], w13, s13, w2, s2)
+        shared = torch.randn(batch, 7168, device="cuda", generator=gen) * 0.1
+        return lambda n: kernels.moe(x[:n], weights[:n], idx[:n], w13, s13, w2, s2, shared[:n])
     ctx = 4096
     cache, table = _decode_rows(batch, ctx, cfg, gen)
 
@@ -2364,14 +2365,15 @@ def test_gpu_head_linear_matches_reference(T, H, K, N):
 @pytest.mark.parametrize("D", [7168, 1536, 512, 256])
 @pytest.mark.parametrize("T", [1, 5, 300])
 @pytest.mark.parametrize("with_residual", [False, True])
-def test_gpu_rms_norm_matches_reference(T, D, with_residual):
+@pytest.mark.parametrize("dtype", [m.BF16, torch.float32])
+def test_gpu_rms_norm_matches_reference(T, D, with_residual, dtype):
     """The Triton RMSNorm (residual add fused) vs the reference at the model's norm widths, on a strided input
-    as MLA's kv_norm gets: the residual stream exactly, the output to bf16 rounding (fp32 sums in another
-    order)."""
+    as q_a gets from wqkv_a, in bf16 or as a block half's unrounded fp32 sum (rounded to bf16 first): the
+    residual stream exactly, the output to bf16 rounding (fp32 sums in another order)."""
     import kernels
 
     gen = torch.Generator("cuda").manual_seed(T + D)
-    x = torch.randn(T, D + 64, generator=gen, device="cuda").to(m.BF16)[:, :D]  # a strided view
+    x = torch.randn(T, D + 64, generator=gen, device="cuda").to(dtype)[:, :D]  # a strided view
     residual = torch.randn(T, D, generator=gen, device="cuda").to(m.BF16) if with_residual else None
     weight = torch.rand(D, generator=gen, device="cuda") + 0.5
     got, want = kernels.rms_norm(x, residual, weight, 1e-6), m.rms_norm(x, residual, weight, 1e-6)
@@ -2442,8 +2444,9 @@ def test_gpu_moe_kernel_matches_reference(experts_full, T, case):
         idx = torch.where(torch.rand(T, 8, generator=gen, device="cuda") < 0.3, 256, idx)
     weights = torch.rand(T, 8, generator=gen, device="cuda") + 0.1
     x = torch.randn(T, 7168, generator=gen, device="cuda").to(m.BF16)
-    got = kernels.moe(x, weights, idx, *experts_full)
-    want = m.moe_experts(x, weights, idx, *experts_full)
+    shared = torch.randn(T, 7168, generator=gen, device="cuda") * 0.1  # the shared expert's output
+    got = kernels.moe(x, weights, idx, *experts_full, shared)
+    want = m.moe_experts(x, weights, idx, *experts_full, shared)
     err = ((got - want).norm() / want.norm()).item()
     print(f"MoE T={T} {case}: {idx.unique().numel()} experts used, rel err {err:.2e}")
     assert err < 1e-2
