@@ -2236,6 +2236,7 @@ class CudaGraphs:
         self.positions[:T] = 0
         self.slots[:T] = 0
         self.ctx[:T] = 1
+        self.head_rows[:bs] = 0  # (a larger batch's rows may be left there)
 
         head_rows = None
         if kind == "extend":
