@@ -1183,6 +1183,7 @@ class Transformer(nn.Module):
         """Point every layer at one kernel set and prepare the weights it reads (once, after loading)."""
         fp8_weights = sum(p.numel() for p in self.parameters() if p.dtype == FP8)
         dequantize = ops.dequantize_fp8 and fp8_weights * 8 <= DEQUANTIZE_AT_LOAD_BYTES
+        copies = {}  # weight -> the copy the references read
         for mod in self.modules():
             if hasattr(type(mod), "ops"):
                 mod.ops = ops
@@ -1194,9 +1195,11 @@ class Transformer(nn.Module):
                 w = w.view(-1, D + mod.cfg.v_head_dim, mod.cfg.kv_lora_rank)  # [H, D + V, C]
                 mod.w_uk = w[:, :D].transpose(1, 2).contiguous()
                 mod.w_uv = w[:, D:].contiguous()
-            if isinstance(mod, Linear) and dequantize:  # plain weights (the heads) widened with them, once
+            if isinstance(mod, Linear) and dequantize and mod.weight not in copies:
                 w = weight_dequant(mod.weight, mod.scale) if mod.fp8 else mod.weight.detach()
-                mod.dequantized = w.to(acc_dtype(mod.weight))  # (a tensor, not a second parameter)
+                copies[mod.weight] = w.to(acc_dtype(mod.weight))  # plain weights (the heads): widened alike
+            if isinstance(mod, Linear) and dequantize:  # a shared weight (the MTP head) shares its copy
+                mod.dequantized = copies[mod.weight]  # (a tensor, not a second parameter)
         return self
 
     @torch.inference_mode()
