@@ -200,10 +200,8 @@ def _sparse_mla_kernel(
 ):
     """One (row t, block of heads, chunk s of the row's selection): online softmax over the chunk's slots
     (its selected positions through its request's page-table row), BLOCK_N at a time, in order. The row's
-    valid positions come first (min(ctx[t], W) of them); steps past them
-    are skipped, and would change nothing (an empty step adds exact zeros), so a row's result does not depend
-    on the batch's width W. SPLITS == 1: the normalized output; else the unnormalized partial and its (max,
-    sum) for _mla_combine_kernel."""
+    valid positions come first (min(ctx[t], W) of them); steps past them are skipped, and would change nothing
+    (an empty step adds exact zeros), so a row's result does not depend on the batch's width W."""
     t, hb, s = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     h = hb * BLOCK_H + tl.arange(0, BLOCK_H)
     hmask = h < H
@@ -233,14 +231,23 @@ def _sparse_mla_kernel(
         lsum = lsum * alpha + tl.sum(p, 1)
         acc = acc * alpha[:, None] + tl.dot(p.to(kv.dtype), kv)
         m = m_new
+    _mla_store(acc, m, lsum, out_ptr, part_ptr, ml_ptr, T, H, h, C, SPLITS)
+
+
+@triton.jit
+def _mla_store(acc, m, lsum, out_ptr, part_ptr, ml_ptr, T, H, h, C: tl.constexpr, SPLITS: tl.constexpr):
+    """A program's end: SPLITS == 1, the normalized output of its heads h; else the unnormalized partial of
+    its chunk and its (max, sum), for _mla_combine_kernel."""
+    t, s = tl.program_id(0), tl.program_id(2)
+    c = tl.arange(0, C)
     if SPLITS == 1:
         out = (acc / lsum[:, None]).to(out_ptr.dtype.element_ty)
-        tl.store(out_ptr + qrow[:, None] * C + c[None, :], out, mask=hmask[:, None])
+        tl.store(out_ptr + (t.to(tl.int64) * H + h)[:, None] * C + c[None, :], out, mask=(h < H)[:, None])
     else:
         part = (s * T + t).to(tl.int64) * H + h  # [SPLITS, T, H] rows of C
-        tl.store(part_ptr + part[:, None] * C + c[None, :], acc, mask=hmask[:, None])
-        tl.store(ml_ptr + part * 2, m, mask=hmask)
-        tl.store(ml_ptr + part * 2 + 1, lsum, mask=hmask)
+        tl.store(part_ptr + part[:, None] * C + c[None, :], acc, mask=(h < H)[:, None])
+        tl.store(ml_ptr + part * 2, m, mask=h < H)
+        tl.store(ml_ptr + part * 2 + 1, lsum, mask=h < H)
 
 
 @triton.jit
@@ -450,36 +457,24 @@ def _gemm_kernel(
     pid_m, pid_n, pid_k = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    kc = tl.arange(0, 128)
     KB = tl.cdiv(K, 128)
-    valid_m = offs_m < M
-    rows = offs_m.to(tl.int64)
-    if GATHER:
-        rows = tl.load(rows_ptr + offs_m, mask=valid_m, other=-1).to(tl.int64)
-        valid_m = rows >= 0
-        rows = tl.maximum(rows, 0)
+    rows, valid_m = _gemm_rows(rows_ptr, offs_m, M, GATHER)
     n_kb = KB
-    if GROUPED:
+    if GROUPED:  # the tile's expert: its weights and scales (none: no k blocks, zero rows)
         e = tl.load(expert_ptr + pid_m)
         n_kb = tl.where(e >= 0, KB, 0)
-        e = tl.maximum(e, 0).to(tl.int64)
-        b_ptr += e * N * K
+        b_ptr += tl.maximum(e, 0).to(tl.int64) * N * K
         if SCALED:
-            bs_ptr += e * ((N + 127) // 128) * KB
+            bs_ptr += tl.maximum(e, 0).to(tl.int64) * ((N + 127) // 128) * KB
     valid_n = offs_n < N
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    a_rows = a_ptr + rows[:, None] * a_stride  # each row's start, and its scales' (SCALED)
+    b_rows = b_ptr + offs_n[:, None].to(tl.int64) * K
+    if SCALED:
+        as_ptr += rows * KB
+        bs_ptr += (offs_n // 128) * KB
     for kb in range(pid_k, n_kb, SPLIT_K):
-        k_ok = kb * 128 + kc < K
-        a_mask = valid_m[:, None] & k_ok[None, :]
-        a = tl.load(a_ptr + rows[:, None] * a_stride + kb * 128 + kc[None, :], mask=a_mask, other=0.0)
-        b_mask = valid_n[:, None] & k_ok[None, :]
-        b = tl.load(b_ptr + offs_n[:, None].to(tl.int64) * K + kb * 128 + kc[None, :], mask=b_mask, other=0.0)
-        if SCALED:
-            sa = tl.load(as_ptr + rows * KB + kb, mask=valid_m, other=0.0)
-            sb = tl.load(bs_ptr + (offs_n // 128) * KB + kb, mask=valid_n, other=0.0)
-            acc += tl.dot(a, tl.trans(b)) * sa[:, None] * sb[None, :]
-        else:
-            acc = tl.dot(a, tl.trans(b), acc)
+        acc = _gemm_k_block(acc, a_rows, as_ptr, b_rows, bs_ptr, valid_m, valid_n, kb, K, SCALED)
     out_rows = offs_m.to(tl.int64)
     if SCATTER:
         out_rows = rows
@@ -488,15 +483,44 @@ def _gemm_kernel(
     if SPLIT_K == 1:
         tl.store(c, acc.to(c_ptr.dtype.element_ty), mask=mask)
     else:
-        tile = offs_m[:, None].to(tl.int64) * N + offs_n[None, :]
-        lock = lock_ptr + pid_m * tl.num_programs(1) + pid_n
-        _split_k_sum(acc, c, part_ptr + tile, lock, mask, M * N, pid_k, SPLIT_K)
+        _split_k_sum(acc, c, part_ptr, lock_ptr, offs_m, offs_n, mask, M, N, SPLIT_K)
 
 
 @triton.jit
-def _split_k_sum(acc, c, part, lock, mask, MN, pid_k, SPLIT_K: tl.constexpr):
-    """Split-K's end: this program's partial goes to part[pid_k]; the tile's last program to finish (an int
-    counter per tile) adds the SPLIT_K partials in split order, 8 loads in flight at a time, and writes c."""
+def _gemm_k_block(acc, a, sa, b, sb, valid_m, valid_n, kb, K, SCALED: tl.constexpr):
+    """acc plus the k block kb's product of the A rows at `a` and the B rows at `b` (pointers to each row's
+    start), each product times its two scales (at sa[kb], sb[kb]) when SCALED."""
+    kc = kb * 128 + tl.arange(0, 128)
+    a = tl.load(a + kc[None, :], mask=valid_m[:, None] & (kc < K)[None, :], other=0.0)
+    b = tl.load(b + kc[None, :], mask=valid_n[:, None] & (kc < K)[None, :], other=0.0)
+    if SCALED:
+        sa = tl.load(sa + kb, mask=valid_m, other=0.0)
+        sb = tl.load(sb + kb, mask=valid_n, other=0.0)
+        return acc + tl.dot(a, tl.trans(b)) * sa[:, None] * sb[None, :]
+    return tl.dot(a, tl.trans(b), acc)
+
+
+@triton.jit
+def _gemm_rows(rows_ptr, offs_m, M, GATHER: tl.constexpr):
+    """A row tile's rows of A, and which are real: offs_m, or GATHER: rows[offs_m] (-1: a padding row)."""
+    valid = offs_m < M
+    rows = offs_m.to(tl.int64)
+    if GATHER:
+        rows = tl.load(rows_ptr + offs_m, mask=valid, other=-1).to(tl.int64)
+        valid = rows >= 0
+        rows = tl.maximum(rows, 0)
+    return rows, valid
+
+
+@triton.jit
+def _split_k_sum(acc, c, part_ptr, lock_ptr, offs_m, offs_n, mask, M, N, SPLIT_K: tl.constexpr):
+    """Split-K's end: this program's partial goes to its slice of the partials [SPLIT_K, M, N]; the tile's
+    last program to finish (an int counter per tile) adds the SPLIT_K slices in split order, 8 loads in
+    flight at a time, and writes c."""
+    pid_k = tl.program_id(2)
+    MN = M * N
+    part = part_ptr + offs_m[:, None].to(tl.int64) * N + offs_n[None, :]
+    lock = lock_ptr + tl.program_id(0) * tl.num_programs(1) + tl.program_id(1)
     tl.store(part + pid_k.to(tl.int64) * MN, acc, mask=mask)
     tl.debug_barrier()  # every thread's partial is out before the tile's count goes up
     if tl.atomic_add(lock, 1) == SPLIT_K - 1:  # (acq_rel: the other programs' partials are visible)
