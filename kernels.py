@@ -410,9 +410,26 @@ def _act_quant_kernel(x_ptr, q_ptr, s_ptr, x_stride, K: tl.constexpr, NG: tl.con
     tl.store(s_ptr + row * (K // 128) + g, s, mask=g < K // 128)
 
 
+_QUANTIZED = {}  # id(x) -> (x, q, s): the last few activations quantized (act_quant, rms_norm), kept alive
+QUANTIZED_KEPT = 4
+
+
+def remember_quantized(x, q, s):
+    """Keep x's quantization for act_quant: MLA's normed query latent feeds wq_b and the indexer's wq_b, a
+    FFN's normed input feeds the shared and the routed experts, and every norm quantizes its own output."""
+    while len(_QUANTIZED) >= QUANTIZED_KEPT:
+        del _QUANTIZED[next(iter(_QUANTIZED))]
+    _QUANTIZED[id(x)] = (x, q, s)
+
+
 def act_quant(x, swiglu=False):
     """Kernel of nano_nsa.act_quant (bit-exact): x [..., K] -> (q [..., K] e4m3, s [..., K/128] fp32). swiglu:
-    of SwiGLU's activation silu(gate) * up (fp32, rounded to bf16) for x = [gate | up] [..., 2K]."""
+    of SwiGLU's activation silu(gate) * up (fp32, rounded to bf16) for x = [gate | up] [..., 2K]. A tensor
+    quantized already (remember_quantized) is not quantized again: the same object, which the layers never
+    write into once made, so the same values."""
+    seen = _QUANTIZED.get(id(x))
+    if not swiglu and seen is not None and seen[0] is x:
+        return seen[1], seen[2]
     K = x.shape[-1] // (2 if swiglu else 1)
     x2 = x.reshape(-1, x.shape[-1])
     if x2.stride(-1) != 1:
@@ -422,7 +439,10 @@ def act_quant(x, swiglu=False):
     if x2.shape[0]:
         NG = triton.next_power_of_2(K // 128)
         _act_quant_kernel[(x2.shape[0],)](x2, q, s, x2.stride(0), K=K, NG=NG, SWIGLU=swiglu, num_warps=4)
-    return q.view(*x.shape[:-1], K), s.view(*x.shape[:-1], K // 128)
+    q, s = q.view(*x.shape[:-1], K), s.view(*x.shape[:-1], K // 128)
+    if not swiglu:
+        remember_quantized(x, q, s)
+    return q, s
 
 
 @triton.jit
@@ -776,10 +796,21 @@ def head_linear(x, w):
 
 @triton.jit
 def _rms_norm_kernel(
-    x_ptr, r_ptr, w_ptr, y_ptr, res_ptr, x_stride, D, eps, RES: tl.constexpr, BLOCK: tl.constexpr
+    x_ptr,
+    r_ptr,
+    w_ptr,
+    y_ptr,
+    res_ptr,
+    q_ptr,
+    s_ptr,
+    x_stride,
+    D,
+    eps,
+    RES: tl.constexpr,
+    BLOCK: tl.constexpr,
 ):
     """One row: (x rounded to bf16 + r) in fp32, its mean square summed in one fixed order, y = w * x / rms
-    (bf16)."""
+    (bf16), and y's act_quant (q, s: FP8 in 1x128 groups, as _act_quant_kernel)."""
     row = tl.program_id(0).to(tl.int64)
     d = tl.arange(0, BLOCK)
     mask = d < D
@@ -789,18 +820,26 @@ def _rms_norm_kernel(
         tl.store(res_ptr + row * D + d, x.to(tl.bfloat16), mask=mask)
     inv = tl.rsqrt(tl.sum(x * x, 0) / D + eps)
     w = tl.load(w_ptr + d, mask=mask, other=0.0)
-    tl.store(y_ptr + row * D + d, (w * (x * inv)).to(tl.bfloat16), mask=mask)
+    y = (w * (x * inv)).to(tl.bfloat16)
+    tl.store(y_ptr + row * D + d, y, mask=mask)
+    q, s = _pow2_quant(tl.reshape(y.to(tl.float32), [BLOCK // 128, 128]))
+    tl.store(q_ptr + row * D + d, tl.reshape(q, [BLOCK]), mask=mask)
+    g = tl.arange(0, BLOCK // 128)
+    tl.store(s_ptr + row * (D // 128) + g, s, mask=g < D // 128)
 
 
 def rms_norm(x, residual, weight, eps):
     """Kernel of nano_nsa.rms_norm: one program per row, so a row's sum never depends on the number of
-    rows."""
+    rows. The output's act_quant is made in the same kernel and remembered (every norm's output feeds FP8
+    linears, but the final ones')."""
     D = x.shape[-1]
     x2 = x.reshape(-1, D)
     if x2.stride(-1) != 1:
         x2 = x2.contiguous()
     T = x2.shape[0]
     y = torch.empty(T, D, dtype=BF16, device=x.device)
+    q = torch.empty(T, D, dtype=torch.float8_e4m3fn, device=x.device)
+    s = torch.empty(T, D // 128, dtype=torch.float32, device=x.device)
     res = None
     r2 = None
     if residual is not None:
@@ -809,9 +848,22 @@ def rms_norm(x, residual, weight, eps):
     if T:
         BLOCK = triton.next_power_of_2(D)
         _rms_norm_kernel[(T,)](
-            x2, r2, weight, y, res, x2.stride(0), D, eps, RES=residual is not None, BLOCK=BLOCK, num_warps=8
+            x2,
+            r2,
+            weight,
+            y,
+            res,
+            q,
+            s,
+            x2.stride(0),
+            D,
+            eps,
+            RES=residual is not None,
+            BLOCK=BLOCK,
+            num_warps=8,
         )
     y = y.view(*x.shape[:-1], D)
+    remember_quantized(y, q.view(y.shape), s.view(*x.shape[:-1], D // 128))
     if residual is None:
         return y
     return y, res.view(*x.shape[:-1], D)

@@ -2381,6 +2381,11 @@ def test_gpu_rms_norm_matches_reference(T, D, with_residual, dtype):
         assert torch.equal(got[1], want[1])
         got, want = got[0], want[0]
     assert got.dtype == m.BF16 and ((got.float() - want.float()).abs() <= 2**-7 * want.float().abs()).all()
+    # the output's act_quant, made in the norm's kernel and served from there: the reference's, bit for bit
+    q, s = kernels.act_quant(got)
+    assert q is kernels.act_quant(got)[0], "the norm's quantization was not reused"
+    q_ref, s_ref = m.act_quant(got)
+    assert torch.equal(q.view(torch.uint8), q_ref.view(torch.uint8)) and torch.equal(s, s_ref)
 
 
 @pytest.fixture(scope="module")
