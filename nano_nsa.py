@@ -2065,6 +2065,12 @@ class Runner:
         live = [b for b, new in enumerate(emitted) if new]  # requests that go on
         if self.num_draft == 0 or not live:
             return
+        if self.graphs and all(r.temperature == 0 for r in reqs):  # greedy: draft-extend + draft, one replay
+            drafts = self.greedy_drafts(reqs, meta, h, emitted)
+            for b in live:
+                reqs[b].draft = drafts[b]
+                reqs[b].q = None
+            return
         hm, logits = self.draft_extend(meta, h, emitted, live)
         self.draft([reqs[b] for b in live], hm, logits)
 
@@ -2121,6 +2127,21 @@ class Runner:
         meta = replace(meta, slots=meta.slots * keep)
         return self.forward("extend", next_tokens, meta, h, head_rows=last_emitted)
 
+    def greedy_drafts(self, reqs, meta, h, emitted):
+        """Draft-extend and the k-1 draft steps of a greedy batch as one CUDA graph (greedy_drafts below),
+        every request's rows in verify order: a finished request's rows are padding in draft-extend, and its
+        draft steps write its own pages, which it gives back after the round. -> drafts [B, k] (on the
+        device)."""
+        n = self.rows_per_request
+        keep = [int(j < len(new)) for new in emitted for j in range(n)]
+        next_tokens = [t for new in emitted for t in new + [0] * (n - len(new))]
+        last_emitted = [b * n + max(len(new), 1) - 1 for b, new in enumerate(emitted)]
+        host = torch.tensor(keep + next_tokens + last_emitted + [r.num_cached for r in reqs])
+        sizes = [len(keep)] * 2 + [len(reqs)] * 2
+        keep, next_tokens, last_emitted, starts = to_device(host, self.device).split(sizes)
+        meta = replace(meta, slots=meta.slots * keep)
+        return self.graphs.run("drafts", next_tokens, meta, h, head_rows=last_emitted, starts=starts)
+
     def draft(self, reqs, h, logits):
         """k draft tokens per request, left on the device (r.draft [k]): the first from the MTP logits of
         the row that just ran at position L-1 (h its hidden state); the rest from k-1 MTP decode steps at
@@ -2143,6 +2164,32 @@ class Runner:
             r.q = None
             if r.temperature > 0:
                 r.q = torch.stack([q[b] for _, q in chosen])
+
+
+def greedy_drafts(model, cache, num_draft, tokens, h, meta, head_rows, starts):
+    """Greedy drafts on the device, for one CUDA graph: draft-extend over the verify rows (decode_pass
+    'extend'), then num_draft - 1 MTP steps at positions starts, starts + 1, ..., each fed the previous
+    argmax, their metadata made from `starts` on the device -> drafts [B, num_draft]. (Its Meta's ctx_host is
+    not exact: only the kernels run it.)"""
+    h, logits = decode_pass(model, cache, "extend", tokens, meta, h, 0, head_rows)
+    drafts = [logits.argmax(-1)]
+    rows = torch.arange(len(starts), device=starts.device)
+    for step in range(1, num_draft):
+        pos = starts + (step - 1)
+        step_meta = replace(
+            meta,
+            positions=pos,
+            slots=meta.table[rows, pos],
+            row_req=rows,
+            ctx_lens=pos + 1,
+            cu_seqlens=list(range(len(rows) + 1)),
+            ctx_host=torch.ones(len(rows), dtype=torch.long),
+        )
+        h, logits = decode_pass(
+            model, cache, "draft", drafts[-1], step_meta, h, min(step, len(model.mtp) - 1)
+        )
+        drafts.append(logits.argmax(-1))
+    return torch.stack(drafts, 1)
 
 
 def decode_pass(model, cache, kind, tokens, meta, h=None, mtp_layer=0, head_rows=None):
@@ -2169,18 +2216,20 @@ def graph_buckets(max_bs, rows_per_req, tp=1):
 
 
 class CudaGraphs:
-    """The decode round's forward passes ('verify', 'extend', 'draft': see Runner.forward) as CUDA graphs,
-    one per batch-size bucket and context bound (the indexer's width is a shape: index_topk at start,
-    powers of two above it on first use). A replay copies the step's inputs into static buffers (padding
-    rows write the dummy slot 0 and read one position)."""
+    """The decode round's forward passes as CUDA graphs, one per batch-size bucket and context bound (the
+    indexer's width is a shape: index_topk at start, powers of two above it on first use): 'verify',
+    'drafts' (a greedy batch's draft-extend and draft steps in one), and for sampling batches 'extend' and
+    'draft' (see Runner.forward). A replay copies the step's inputs into static buffers (padding rows write
+    the dummy slot 0)."""
 
     def __init__(self, model: Transformer, cache: KVCache, num_draft, max_batch, max_context, page_size):
         cfg, dev = model.cfg, cache.latent.device
         t0 = time.perf_counter()
         self.model = model
         self.cache = cache
-        self.rows = dict(verify=num_draft + 1, extend=num_draft + 1, draft=1)
-        kinds = ["verify"] + ["extend"] * (num_draft > 0) + ["draft"] * (num_draft > 1)
+        self.num_draft = num_draft
+        self.rows = dict(verify=num_draft + 1, drafts=num_draft + 1, extend=num_draft + 1, draft=1)
+        kinds = ["verify"] + ["drafts", "extend"] * (num_draft > 0) + ["draft"] * (num_draft > 1)
         self.buckets = {kind: graph_buckets(max_batch, self.rows[kind], tp_size()) for kind in kinds}
         max_bs = max(b[-1] for b in self.buckets.values())
         rows = max_bs * (num_draft + 1)
@@ -2193,6 +2242,7 @@ class CudaGraphs:
         self.ctx = torch.zeros(rows, dtype=torch.long, device=dev)
         self.h = torch.zeros(rows, cfg.dim, dtype=BF16, device=dev)
         self.head_rows = torch.zeros(max_bs, dtype=torch.long, device=dev)  # 'extend': one row per request
+        self.starts = torch.zeros(max_bs, dtype=torch.long, device=dev)  # 'drafts': the first draft step's
         self.table = torch.zeros(max_bs, self.max_width, dtype=torch.long, device=dev)
         self.graphs = {}
         self.pool = None
@@ -2240,15 +2290,19 @@ class CudaGraphs:
         self.slots[:T] = 0
         self.ctx[:T] = 1
         self.head_rows[:bs] = 0  # (a larger batch's rows may be left there)
+        self.starts[:bs] = 0
 
         head_rows = None
-        if kind == "extend":
+        if kind in ("extend", "drafts"):
             head_rows = self.head_rows[:bs]
 
         def forward():
-            return decode_pass(
-                model, self.cache, kind, self.tokens[:T], meta, self.h[:T], mtp_layer, head_rows
-            )
+            tokens, h = self.tokens[:T], self.h[:T]
+            if kind == "drafts":
+                return greedy_drafts(
+                    model, self.cache, self.num_draft, tokens, h, meta, head_rows, self.starts[:bs]
+                )
+            return decode_pass(model, self.cache, kind, tokens, meta, h, mtp_layer, head_rows)
 
         forward()  # warm-up: compiles and autotunes kernels
         torch.cuda.synchronize()
@@ -2262,10 +2316,13 @@ class CudaGraphs:
         self.pool = self.pool or graph.pool()  # all graphs share one memory pool
         self.graphs[kind, bs, width, mtp_layer] = (graph, meta, out)
 
-    def run(self, kind, tokens, meta, h=None, mtp_layer=0, head_rows=None):
+    def run(self, kind, tokens, meta, h=None, mtp_layer=0, head_rows=None, starts=None):
         n, B = self.rows[kind], meta.table.shape[0]
         bs = next(b for b in self.buckets[kind] if b >= B)
-        width = self.width(meta.max_ctx)
+        reach = meta.max_ctx
+        if kind == "drafts":  # its draft steps run k - 1 positions past the verify rows
+            reach += self.num_draft
+        width = self.width(reach)
         if (kind, bs, width, mtp_layer) not in self.graphs:
             t0 = time.perf_counter()
             self.capture(kind, bs, width, mtp_layer)
@@ -2286,13 +2343,18 @@ class CudaGraphs:
         self.slots[T:padded] = 0
         self.ctx[T:padded] = 1
         self.table[:B, : meta.table.shape[1]] = meta.table
-        self.table[B:bs, 0] = 0
+        self.table[B:bs, :width] = 0  # (so every position of a padding row is the dummy slot)
         rows = T
         if head_rows is not None:
             rows = len(head_rows)
             self.head_rows[:rows] = head_rows
             self.head_rows[rows:bs] = 0
+        if starts is not None:
+            self.starts[:B] = starts
+            self.starts[B:bs] = 0
         graph.replay()
+        if kind == "drafts":
+            return out[:B].clone()  # (the next replay overwrites out)
         h_out, logits = out
         return h_out[:rows], logits[:rows]
 
