@@ -415,8 +415,8 @@ def demo(args, out):
         res.append(dict(mtp=k, tok_s=tok_s, speedup=speedup, mean_accept=mean_accept, equal_to_mtp0=equal))
         print(res[-1], f"passes {[round(s) for s in speeds[k]]}", flush=True)
     table(
-        f"demo model, bs=1, {len(prompts)} held-out prompts x 128 new tokens, greedy, CUDA graphs, median of 3"
-        " passes",
+        f"demo model, bs=1, {len(prompts)} held-out prompts x 128 new tokens, greedy, CUDA graphs, median"
+        " of 3 passes",
         "--mtp | tokens/s | speedup vs --mtp 0 | mean accepted length | requests equal to --mtp 0",
         [tuple(r.values()) for r in res],
     )
