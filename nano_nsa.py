@@ -2059,16 +2059,25 @@ class Runner:
             self.draft([reqs[b] for b in done], hm, self.model.mtp[0].logits(hm))
 
     def decode_round(self, reqs):
-        """verify -> accept -> draft-extend -> draft, with one read-back of the GPU (in accept)."""
+        """verify -> accept -> draft-extend -> draft, with one read-back of the GPU. Greedy acceptance is
+        settled on the device first, so a greedy batch under CUDA graphs replays its drafts graph
+        (draft-extend and draft in one) before the read-back arrives: the GPU drafts while the host
+        accepts."""
         meta, h, logits, drafts = self.verify(reqs)
-        emitted = self.accept(reqs, logits, drafts)
+        k = self.num_draft
+        target = logits.argmax(-1)  # [B, k + 1]
+        accepted = (drafts == target[:, :k]).cumprod(1).sum(1)  # [B]: leading drafts equal to the argmax
+        read_back = start_read_back(torch.cat([target, accepted[:, None]], 1))  # the round's one read-back
+        next_drafts = None
+        if k and self.graphs and all(r.temperature == 0 for r in reqs):
+            next_drafts = self.greedy_drafts(meta, h, target, accepted)
+        emitted = self.accept(reqs, logits, read_back())
         live = [b for b, new in enumerate(emitted) if new]  # requests that go on
-        if self.num_draft == 0 or not live:
+        if k == 0 or not live:
             return
-        if self.graphs and all(r.temperature == 0 for r in reqs):  # greedy: draft-extend + draft, one replay
-            drafts = self.greedy_drafts(reqs, meta, h, emitted)
+        if next_drafts is not None:
             for b in live:
-                reqs[b].draft = drafts[b]
+                reqs[b].draft = next_drafts[b]
                 reqs[b].q = None
             return
         hm, logits = self.draft_extend(meta, h, emitted, live)
@@ -2090,19 +2099,16 @@ class Runner:
         h, logits = self.forward("verify", torch.cat([last[:, None], drafts], 1).flatten(), meta)
         return meta, h, logits.view(len(reqs), self.rows_per_request, -1), drafts
 
-    def accept(self, reqs, logits, drafts):
+    def accept(self, reqs, logits, greedy):
         """The tokens each request emits this round. Greedy: the longest prefix of drafts equal to the main
-        model's argmax, then its argmax after them, settled on the device and read back once for the whole
-        batch. Sampling: the rejection test of speculative_accept (the output follows the main model's
-        distribution)."""
+        model's argmax, then its argmax after them, settled on the device: `greedy` holds each request's
+        argmax row and its number of accepted drafts, read back. Sampling: the rejection test of
+        speculative_accept (the output follows the main model's distribution)."""
         k = self.num_draft
-        target = logits.argmax(-1)  # [B, k + 1]
-        accepted = (drafts == target[:, :k]).cumprod(1).sum(1)  # [B]: leading drafts equal to the argmax
-        host = torch.cat([target, accepted[:, None]], 1).tolist()  # the round's one read-back
         emitted = []
         for b, r in enumerate(reqs):
             if r.temperature == 0:
-                new = host[b][: host[b][-1] + 1]  # the accepted drafts, then the argmax
+                new = greedy[b][: greedy[b][-1] + 1]  # the accepted drafts, then the argmax
             elif k:
                 new = speculative_accept(r.draft.tolist(), r.q, logits[b], r.temperature, r.top_p, r.gen)
             else:
@@ -2127,19 +2133,18 @@ class Runner:
         meta = replace(meta, slots=meta.slots * keep)
         return self.forward("extend", next_tokens, meta, h, head_rows=last_emitted)
 
-    def greedy_drafts(self, reqs, meta, h, emitted):
+    def greedy_drafts(self, meta, h, target, accepted):
         """Draft-extend and the k-1 draft steps of a greedy batch as one CUDA graph (greedy_drafts below),
-        every request's rows in verify order: a finished request's rows are padding in draft-extend, and its
-        draft steps write its own pages, which it gives back after the round. -> drafts [B, k] (on the
-        device)."""
-        n = self.rows_per_request
-        keep = [int(j < len(new)) for new in emitted for j in range(n)]
-        next_tokens = [t for new in emitted for t in new + [0] * (n - len(new))]
-        last_emitted = [b * n + max(len(new), 1) - 1 for b, new in enumerate(emitted)]
-        host = torch.tensor(keep + next_tokens + last_emitted + [r.num_cached for r in reqs])
-        sizes = [len(keep)] * 2 + [len(reqs)] * 2
-        keep, next_tokens, last_emitted, starts = to_device(host, self.device).split(sizes)
-        meta = replace(meta, slots=meta.slots * keep)
+        its inputs made on the device from the verify argmax `target` [B, k+1] and the accepted drafts [B]:
+        request b emits target[b, :a+1] (a = accepted[b]), the x's of its draft-extend rows. A request that
+        finishes in this round (EOS, max_new_tokens) drafts on, into its own pages, given back after the
+        round. -> drafts [B, k] (on the device)."""
+        B, n = target.shape
+        keep = (torch.arange(n, device=self.device) <= accepted[:, None]).long()  # rows of emitted tokens
+        last_emitted = torch.arange(B, device=self.device) * n + accepted
+        starts = meta.positions.view(B, n)[:, 0] + accepted + 1  # num_cached after accept
+        meta = replace(meta, slots=meta.slots * keep.flatten())
+        next_tokens = (target * keep).flatten()
         return self.graphs.run("drafts", next_tokens, meta, h, head_rows=last_emitted, starts=starts)
 
     def draft(self, reqs, h, logits):
@@ -2164,6 +2169,23 @@ class Runner:
             r.q = None
             if r.temperature > 0:
                 r.q = torch.stack([q[b] for _, q in chosen])
+
+
+def start_read_back(x):
+    """Start copying x to the host, without waiting -> a function that waits for it and returns x.tolist()
+    (CUDA: pinned memory and an event, so that work queued after the copy need not finish first)."""
+    if x.device.type != "cuda":
+        return x.tolist
+    host = torch.empty(x.shape, dtype=x.dtype, pin_memory=True)
+    host.copy_(x, non_blocking=True)
+    copied = torch.cuda.Event()
+    copied.record()
+
+    def wait():
+        copied.synchronize()
+        return host.tolist()
+
+    return wait
 
 
 def greedy_drafts(model, cache, num_draft, tokens, h, meta, head_rows, starts):
