@@ -2067,11 +2067,15 @@ class Runner:
         k = self.num_draft
         target = logits.argmax(-1)  # [B, k + 1]
         accepted = (drafts == target[:, :k]).cumprod(1).sum(1)  # [B]: leading drafts equal to the argmax
-        read_back = start_read_back(torch.cat([target, accepted[:, None]], 1))  # the round's one read-back
+        settled = torch.cat([target, accepted[:, None]], 1)  # the round's one read-back
         next_drafts = None
         if k and self.graphs and all(r.temperature == 0 for r in reqs):
+            read_back = start_read_back(settled)  # under way before the drafts graph is queued
             next_drafts = self.greedy_drafts(meta, h, target, accepted)
-        emitted = self.accept(reqs, logits, read_back())
+            greedy = read_back()
+        else:
+            greedy = settled.tolist()
+        emitted = self.accept(reqs, logits, greedy)
         live = [b for b, new in enumerate(emitted) if new]  # requests that go on
         if k == 0 or not live:
             return
