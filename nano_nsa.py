@@ -2138,7 +2138,7 @@ class Runner:
         return self.forward("extend", next_tokens, meta, h, head_rows=last_emitted)
 
     def greedy_drafts(self, meta, h, target, accepted):
-        """Draft-extend and the k-1 draft steps of a greedy batch as one CUDA graph (greedy_drafts below),
+        """Draft-extend and the k-1 draft steps of a greedy batch as one CUDA graph (greedy_drafts_pass),
         its inputs made on the device from the verify argmax `target` [B, k+1] and the accepted drafts [B]:
         request b emits target[b, :a+1] (a = accepted[b]), the x's of its draft-extend rows. A request that
         finishes in this round (EOS, max_new_tokens) drafts on, into its own pages, given back after the
@@ -2192,7 +2192,7 @@ def start_read_back(x):
     return wait
 
 
-def greedy_drafts(model, cache, num_draft, tokens, h, meta, head_rows, starts):
+def greedy_drafts_pass(model, cache, num_draft, tokens, h, meta, head_rows, starts):
     """Greedy drafts on the device, for one CUDA graph: draft-extend over the verify rows (decode_pass
     'extend'), then num_draft - 1 MTP steps at positions starts, starts + 1, ..., each fed the previous
     argmax, their metadata made from `starts` on the device -> drafts [B, num_draft]. (Its Meta's ctx_host is
@@ -2325,7 +2325,7 @@ class CudaGraphs:
         def forward():
             tokens, h = self.tokens[:T], self.h[:T]
             if kind == "drafts":
-                return greedy_drafts(
+                return greedy_drafts_pass(
                     model, self.cache, self.num_draft, tokens, h, meta, head_rows, self.starts[:bs]
                 )
             return decode_pass(model, self.cache, kind, tokens, meta, h, mtp_layer, head_rows)
