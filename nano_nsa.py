@@ -2267,8 +2267,8 @@ class CudaGraphs:
         self.slots = torch.zeros(rows, dtype=torch.long, device=dev)
         self.ctx = torch.zeros(rows, dtype=torch.long, device=dev)
         self.h = torch.zeros(rows, cfg.dim, dtype=BF16, device=dev)
-        self.head_rows = torch.zeros(max_bs, dtype=torch.long, device=dev)  # 'extend': one row per request
-        self.starts = torch.zeros(max_bs, dtype=torch.long, device=dev)  # 'drafts': the first draft step's
+        self.head_rows = torch.zeros(max_bs, dtype=torch.long, device=dev)  # one row per request (extend)
+        self.starts = torch.zeros(max_bs, dtype=torch.long, device=dev)  # first draft positions ('drafts')
         self.table = torch.zeros(max_bs, self.max_width, dtype=torch.long, device=dev)
         self.graphs = {}
         self.pool = None
