@@ -626,20 +626,21 @@ def _gemm(a, sa, b, sb, M, N, rows=None, experts=None, scatter=False, out_dtype=
 
 def fp8_linear(x, w, scale, partial=False):
     """Kernel of nano_nsa.fp8_linear: act_quant then the block-scaled FP8 GEMM, bf16 out (partial: fp32)."""
-    q, s = act_quant(x)
-    M = q.numel() // q.shape[-1]
-    out_dtype = torch.float32 if partial else BF16
-    y = _gemm(q.view(M, -1), s.view(M, -1), w, scale, M, w.shape[0], out_dtype=out_dtype)
-    return y.view(*x.shape[:-1], w.shape[0])
+    return _quantized_linear(*act_quant(x), w, scale, partial)
 
 
 def swiglu_linear(h, w, scale, partial=False):
     """Kernel of nano_nsa.swiglu_linear: SwiGLU's activation and act-quant in one kernel, then the GEMM."""
-    q, s = act_quant(h, swiglu=True)
+    return _quantized_linear(*act_quant(h, swiglu=True), w, scale, partial)
+
+
+def _quantized_linear(q, s, w, scale, partial):
+    """Act-quantized rows (q [..., K] e4m3, s [..., K/128]) times the FP8 weight -> [..., N] bf16 (partial:
+    fp32)."""
     M = q.numel() // q.shape[-1]
     out_dtype = torch.float32 if partial else BF16
     y = _gemm(q.view(M, -1), s.view(M, -1), w, scale, M, w.shape[0], out_dtype=out_dtype)
-    return y.view(*h.shape[:-1], w.shape[0])
+    return y.view(*q.shape[:-1], w.shape[0])
 
 
 @triton.jit
