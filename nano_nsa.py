@@ -462,7 +462,7 @@ def ours_name(cfg: Config, hf_name: str) -> str:
     return ".".join(HF_TO_OURS.get(p, p) for p in parts)
 
 
-# ---- Building blocks: FP8 activation quantization and linear, norms, YaRN RoPE, Hadamard -------------------
+# ---- Building blocks: FP8 activation quantization and linear, norms, YaRN RoPE, Hadamard, stable top-k -----
 # Two names are used in this part before their own sections, and are all a layer needs to know of them:
 #   self.ops   the kernel set every layer calls its heavy math through ("The kernel boundary" below): torch
 #              references written here, or kernels.py's GPU versions of the same names, bound once at load;
@@ -696,6 +696,12 @@ def hadamard(x: torch.Tensor) -> torch.Tensor:
     return (y * n**-0.5).to(BF16)
 
 
+def top_indices(x, k):
+    """Indices of the k largest values along the last dim, ties to the lowest index, whatever the batch
+    (torch.topk breaks ties in an order that may change with the batch shape)."""
+    return x.sort(dim=-1, descending=True, stable=True).indices[..., :k]
+
+
 # ---- Forward metadata: one Meta per forward pass, shared by every layer; the per-layer cache view ----------
 def to_device(x: torch.Tensor, device) -> torch.Tensor:
     """Host -> device without waiting: a copy from pageable memory blocks the host until the GPU reaches
@@ -813,8 +819,7 @@ def topk_positions(scores, ctx_lens, topk):
     scores = scores.masked_fill(n[None, :] >= ctx_lens[:, None], float("-inf"))  # causal mask before top-k
     # Ties (exact zeros from the ReLU are common) go to the earliest position, whatever the batch shape: the
     # reference's torch.topk breaks them in an implementation-defined order.
-    width = min(topk, scores.shape[-1])
-    idx = scores.sort(dim=-1, descending=True, stable=True).indices[:, :width]
+    idx = top_indices(scores, min(topk, scores.shape[-1]))
     return torch.where(idx < ctx_lens[:, None], idx, -1)
 
 
@@ -997,12 +1002,6 @@ class MLP(nn.Module):
         return self.ops.swiglu_linear(self.w13(x), *self.w2.operands(), partial=True)
 
 
-def top_indices(x, k):
-    """Indices of the k largest values along the last dim, ties to the lowest index, whatever the batch
-    (torch.topk breaks ties in an order that may change with the batch shape)."""
-    return x.sort(dim=-1, descending=True, stable=True).indices[..., :k]
-
-
 def route(logits, bias, groups, top_groups, top_experts, scale):
     """The router's choice from its logits [T, E] (the reference of the router kernel): sigmoid scores; the
     bias only steers selection: the top_groups groups with the largest sum of their top-2 biased scores, then
@@ -1106,9 +1105,8 @@ class MoE(nn.Module):
         if tp_size() > 1:
             E = w13.weight.shape[0]
             first = tp_rank() * E  # this rank holds experts first .. first + E - 1
-            idx = torch.where(
-                (idx >= first) & (idx < first + E), idx - first, E
-            )  # E: another rank's, skipped
+            mine = (idx >= first) & (idx < first + E)
+            idx = torch.where(mine, idx - first, E)  # E: another rank's, skipped
         shared = self.shared_experts(x)
         return self.ops.moe(x, weights, idx, *w13.operands(), *w2.operands(), shared)  # routed + shared
 
@@ -2125,31 +2123,37 @@ class Runner:
         return emitted
 
     def draft_extend(self, meta, h, emitted, live):
-        """The MTP layer over the verify rows, pairs (h_{L+j}, x_{L+j+1}): the emitted tokens are the x's.
-        Rows past a request's emitted tokens (and a finished request's rows) are padding: they write the
-        dummy slot 0. -> (MTP hidden, MTP logits) of the last emitted row of each request in `live`."""
+        """The MTP layer over the verify rows, pairs (h_{L+j}, x_{L+j+1}): the emitted tokens are the x's
+        (extend_rows). -> (MTP hidden, MTP logits) of the last emitted row of each request in `live`."""
         n = self.rows_per_request
-        keep = [int(j < len(new)) for new in emitted for j in range(n)]
-        next_tokens = [t for new in emitted for t in new + [0] * (n - len(new))]
-        last_emitted = [b * n + len(emitted[b]) - 1 for b in live]
-        host = torch.tensor(keep + next_tokens + last_emitted)
-        keep, next_tokens, last_emitted = to_device(host, self.device).split([len(keep)] * 2 + [len(live)])
-        meta = replace(meta, slots=meta.slots * keep)
-        return self.forward("extend", next_tokens, meta, h, head_rows=last_emitted)
+        padded = [t for new in emitted for t in new + [0] * (n - len(new))]
+        host = torch.tensor(padded + [len(new) for new in emitted] + live)
+        sizes = [len(padded), len(emitted), len(live)]
+        tokens, counts, live_rows = to_device(host, self.device).split(sizes)
+        next_tokens, meta, last_emitted = self.extend_rows(meta, tokens.view(-1, n), counts)
+        return self.forward("extend", next_tokens, meta, h, head_rows=last_emitted[live_rows])
 
     def greedy_drafts(self, meta, h, target, accepted):
         """Draft-extend and the k-1 draft steps of a greedy batch as one CUDA graph (greedy_drafts_pass),
         its inputs made on the device from the verify argmax `target` [B, k+1] and the accepted drafts [B]:
-        request b emits target[b, :a+1] (a = accepted[b]), the x's of its draft-extend rows. A request that
-        finishes in this round (EOS, max_new_tokens) drafts on, into its own pages, given back after the
-        round. -> drafts [B, k] (on the device)."""
+        request b emits target[b, :a+1] (a = accepted[b]). A request that finishes in this round (EOS,
+        max_new_tokens) drafts on, into its own pages, given back after the round. -> drafts [B, k] (on the
+        device)."""
         B, n = target.shape
-        keep = (torch.arange(n, device=self.device) <= accepted[:, None]).long()  # rows of emitted tokens
-        last_emitted = torch.arange(B, device=self.device) * n + accepted
+        next_tokens, meta, last_emitted = self.extend_rows(meta, target, accepted + 1)
         starts = meta.positions.view(B, n)[:, 0] + accepted + 1  # num_cached after accept
-        meta = replace(meta, slots=meta.slots * keep.flatten())
-        next_tokens = (target * keep).flatten()
         return self.graphs.run("drafts", next_tokens, meta, h, head_rows=last_emitted, starts=starts)
+
+    def extend_rows(self, meta, emitted, counts):
+        """Draft-extend's inputs, on the device, from the first counts[b] tokens of each row b of emitted [B,
+        k+1] (the tokens request b emitted this round): the x's of its rows (0 past them), its Meta (rows
+        past them, a finished request's all, are padding: they write the dummy slot 0) and each request's
+        last emitted row."""
+        B, n = emitted.shape
+        keep = (torch.arange(n, device=self.device) < counts[:, None]).long()
+        meta = replace(meta, slots=meta.slots * keep.flatten())
+        last_emitted = torch.arange(B, device=self.device) * n + counts - 1
+        return (emitted * keep).flatten(), meta, last_emitted
 
     def draft(self, reqs, h, logits):
         """k draft tokens per request, left on the device (r.draft [k]): the first from the MTP logits of
