@@ -168,10 +168,17 @@ def index_topk(q8, head_weights, cache, meta, topk):
 # ------------------------------------------------------------------------------------------------------------
 # Sparse MLA rows: each query row over its own selected KV-pool slots, split in fixed chunks of its selection
 # ------------------------------------------------------------------------------------------------------------
-MLA_CHUNK = 512  # selected slots per program: a row's split follows its own selection, never the batch
-MLA_BLOCK_H = 16  # heads per program
+MLA_CHUNK = 256  # selected slots per program: a row's split follows its own selection, never the batch
 MLA_BLOCK_N = 32  # slots per inner step
 MLA_PARTIAL_BYTES = 128 << 20  # bound on the fp32 partial outputs of one launch (long prefills run in parts)
+
+
+def mla_block_h(T):
+    """Heads per program for T rows: 16 while the rows are few (more programs to fill the GPU), else 32 (fewer
+    re-reads of each latent). A head's sums do not depend on it: the same bits either way (GPU test)."""
+    if T < 16:
+        return 16
+    return 32
 
 
 @triton.jit
@@ -289,7 +296,8 @@ def sparse_mla(q_abs, q_pe, cache, selected, meta, scale):
         n = rows.stop - rows.start
         part = torch.empty(splits * n * H * C if splits > 1 else 0, dtype=torch.float32, device=q_abs.device)
         ml = torch.empty(splits * n * H * 2 if splits > 1 else 0, dtype=torch.float32, device=q_abs.device)
-        _sparse_mla_kernel[(n, triton.cdiv(H, MLA_BLOCK_H), splits)](
+        block_h = mla_block_h(n)
+        _sparse_mla_kernel[(n, triton.cdiv(H, block_h), splits)](
             q_abs[rows].to(BF16).contiguous(),
             q_pe[rows].to(BF16).contiguous(),
             cache.latent,
@@ -309,7 +317,7 @@ def sparse_mla(q_abs, q_pe, cache, selected, meta, scale):
             R=R,
             SPLITS=splits,
             CHUNK=MLA_CHUNK,
-            BLOCK_H=MLA_BLOCK_H,
+            BLOCK_H=block_h,
             BLOCK_N=MLA_BLOCK_N,
             num_warps=4,
             num_stages=2,
@@ -562,13 +570,23 @@ _LOCKS = {}  # device -> the counters (made at the first, eager, call)
 
 def gemm_config(N, K, grouped=False):
     """Tile width, split-K and pipeline depth of the GEMM with an [N, K] weight, from its shape only (never
-    from the number of rows, which would make a row's sum order depend on the batch). Split-K: enough
-    programs to fill the SMs at one row tile, at most 64 KB of fp32 partials per row; none for the grouped
-    GEMMs (their blocks of rows fill the SMs)."""
+    from the number of rows, which would make a row's sum order depend on the batch); chosen by a sweep at 1
+    to 64 rows on an H200 (docs/performance.md). Grouped (the MoE experts, whose blocks of rows fill the SMs;
+    MLA's per-head maps): no split, 128-wide tiles for the experts' long rows. Otherwise split-K for enough
+    programs to fill the SMs at one row tile, at most 128 KB of fp32 partials per row, and no split for a
+    short K (16 blocks or fewer: the partial sum would cost more than it saves); 128-wide tiles for a very
+    long K (o_proj, the dense MLP's w2)."""
+    k_blocks = K // 128
+    if grouped:
+        if k_blocks >= 8:
+            return dict(BLOCK_N=128, SPLIT_K=1, num_warps=4, num_stages=4)
+        return dict(BLOCK_N=64, SPLIT_K=1, num_warps=4, num_stages=3)
     block_n = 64
+    if k_blocks >= 128:
+        block_n = 128
     split = 1
-    if not grouped:
-        split = max(1, min(K // 128, GEMM_PROGRAMS // triton.cdiv(N, block_n), 16384 // N))
+    if k_blocks > 16:
+        split = max(1, min(k_blocks, GEMM_PROGRAMS // triton.cdiv(N, block_n), 32768 // N))
     return dict(BLOCK_N=block_n, SPLIT_K=split, num_warps=4, num_stages=3)
 
 
