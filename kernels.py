@@ -404,18 +404,29 @@ def _swiglu(gate, up):
 
 
 @triton.jit
-def _act_quant_kernel(x_ptr, q_ptr, s_ptr, x_stride, K: tl.constexpr, NG: tl.constexpr, SWIGLU: tl.constexpr):
-    """One row: 1x128 groups of x (SWIGLU: of silu(x[:, :K]) * x[:, K:]) -> q e4m3, s fp32."""
+def _act_quant_kernel(
+    x_ptr, q_ptr, s_ptr, rows_ptr, x_stride, K: tl.constexpr, GROUPS: tl.constexpr, SWIGLU: tl.constexpr
+):
+    """One row's 1x128 groups GROUPS at a time (each group is quantized alone: how they are shared out changes
+    no bit) of x (SWIGLU: of silu(x[:, :K]) * x[:, K:]) -> q e4m3, s fp32. rows_ptr (not None): a row whose
+    entry is negative is padding (the MoE's expert blocks), left alone."""
     row = tl.program_id(0).to(tl.int64)
-    g, c = tl.arange(0, NG), tl.arange(0, 128)
-    ok = g[:, None] < K // 128
+    g = tl.program_id(1) * GROUPS + tl.arange(0, GROUPS)
+    c = tl.arange(0, 128)
+    live = g < K // 128
+    if rows_ptr is not None:
+        live = live & (tl.load(rows_ptr + row) >= 0)
+    ok = live[:, None]
     offs = g[:, None] * 128 + c[None, :]
     x = tl.load(x_ptr + row * x_stride + offs, mask=ok, other=0.0).to(tl.float32)
     if SWIGLU:
         x = _swiglu(x, tl.load(x_ptr + row * x_stride + K + offs, mask=ok, other=0.0).to(tl.float32))
     q, s = _pow2_quant(x)
     tl.store(q_ptr + row * K + offs, q, mask=ok)
-    tl.store(s_ptr + row * (K // 128) + g, s, mask=g < K // 128)
+    tl.store(s_ptr + row * (K // 128) + g, s, mask=live)
+
+
+ACT_QUANT_GROUPS = 8  # 128-wide groups per program: a one-row 16384-wide input is 16 programs, not one
 
 
 _QUANTIZED = {}  # id(x) -> (x, q, s): the last few activations quantized (act_quant, rms_norm), kept alive
@@ -430,11 +441,12 @@ def remember_quantized(x, q, s):
     _QUANTIZED[id(x)] = (x, q, s)
 
 
-def act_quant(x, swiglu=False):
+def act_quant(x, swiglu=False, rows=None):
     """Kernel of nano_nsa.act_quant (bit-exact): x [..., K] -> (q [..., K] e4m3, s [..., K/128] fp32). swiglu:
-    of SwiGLU's activation silu(gate) * up (fp32, rounded to bf16) for x = [gate | up] [..., 2K]. A tensor
-    quantized already (remember_quantized) is not quantized again: the same object, which the layers never
-    write into once made, so the same values."""
+    of SwiGLU's activation silu(gate) * up (fp32, rounded to bf16) for x = [gate | up] [..., 2K]. rows [M]:
+    the rows whose entry is negative are padding, skipped (their q and s are left unset). A tensor quantized
+    already (remember_quantized) is not quantized again: the same object, which the layers never write into
+    once made, so the same values."""
     seen = _QUANTIZED.get(id(x))
     if not swiglu and seen is not None and seen[0] is x:
         return seen[1], seen[2]
@@ -445,8 +457,9 @@ def act_quant(x, swiglu=False):
     q = torch.empty(x2.shape[0], K, dtype=torch.float8_e4m3fn, device=x.device)
     s = torch.empty(x2.shape[0], K // 128, dtype=torch.float32, device=x.device)
     if x2.shape[0]:
-        NG = triton.next_power_of_2(K // 128)
-        _act_quant_kernel[(x2.shape[0],)](x2, q, s, x2.stride(0), K=K, NG=NG, SWIGLU=swiglu, num_warps=4)
+        groups = min(ACT_QUANT_GROUPS, triton.next_power_of_2(K // 128))
+        grid = (x2.shape[0], triton.cdiv(K // 128, groups))
+        _act_quant_kernel[grid](x2, q, s, rows, x2.stride(0), K=K, GROUPS=groups, SWIGLU=swiglu, num_warps=4)
     q, s = q.view(*x.shape[:-1], K), s.view(*x.shape[:-1], K // 128)
     if not swiglu:
         remember_quantized(x, q, s)
@@ -754,7 +767,7 @@ def moe(x, weights, idx, w13, s13, w2, s2, shared):
     R = len(token)
     q, s = act_quant(x)
     h = _gemm(q, s, w13, s13, R, I2, rows=token, experts=experts)  # [R, 2I] bf16
-    q, s = act_quant(h, swiglu=True)  # SwiGLU's activation, quantized
+    q, s = act_quant(h, swiglu=True, rows=token)  # SwiGLU's activation, quantized (padding rows skipped)
     o = _gemm(q, s, w2, s2, R, dim, experts=experts)  # [R, dim] bf16
     y = torch.empty(T, dim, dtype=torch.float32, device=x.device)
     BLOCK = 1024
