@@ -2057,55 +2057,52 @@ class Runner:
             self.draft([reqs[b] for b in done], hm, self.model.mtp[0].logits(hm))
 
     def decode_round(self, reqs):
-        """verify -> accept -> draft-extend -> draft, with one read-back of the GPU. Greedy acceptance is
-        settled on the device first, so a greedy batch under CUDA graphs replays its drafts graph
-        (draft-extend and draft in one) before the read-back arrives: the GPU drafts while the host
-        accepts."""
-        meta, h, logits, drafts = self.verify(reqs)
-        k = self.num_draft
-        target = logits.argmax(-1)  # [B, k + 1]
-        accepted = (drafts == target[:, :k]).cumprod(1).sum(1)  # [B]: leading drafts equal to the argmax
-        settled = torch.cat([target, accepted[:, None]], 1)  # the round's one read-back
-        next_drafts = None
-        if k and self.graphs and all(r.temperature == 0 for r in reqs):
-            read_back = start_read_back(settled)  # under way before the drafts graph is queued
-            next_drafts = self.greedy_drafts(meta, h, target, accepted)
-            greedy = read_back()
-        else:
-            greedy = settled.tolist()
-        emitted = self.accept(reqs, logits, greedy)
-        live = [b for b, new in enumerate(emitted) if new]  # requests that go on
-        if k == 0 or not live:
+        """verify -> accept -> draft-extend -> draft, with one read-back of the GPU. A greedy batch under CUDA
+        graphs runs the four phases as one graph (greedy_round)."""
+        if self.graphs and all(r.temperature == 0 for r in reqs):
+            self.greedy_round(reqs)
             return
-        if next_drafts is not None:
-            for b in live:
-                reqs[b].draft = next_drafts[b]
-                reqs[b].q = None
+        meta, tokens = self.verify_rows(reqs)
+        h, logits = self.forward("verify", tokens, meta)
+        logits = logits.view(len(reqs), self.rows_per_request, -1)
+        settled = settle_greedy(tokens, logits.flatten(0, 1), self.num_draft)
+        emitted = self.accept(reqs, logits, settled.tolist())  # the round's one read-back
+        live = [b for b, new in enumerate(emitted) if new]  # requests that go on
+        if self.num_draft == 0 or not live:
             return
         hm, logits = self.draft_extend(meta, h, emitted, live)
         self.draft([reqs[b] for b in live], hm, logits)
 
-    def verify(self, reqs):
-        """The main model over every request's rows x_L, d_1..d_k -> (meta, hidden [B*(k+1), dim], logits
-        [B, k+1, V], drafts [B, k])."""
-        k = self.num_draft
-        mode = "verify" if k else "decode"
-        meta = Meta.build(
-            mode, [r.num_cached for r in reqs], [self.rows_per_request] * len(reqs), self.pool.table(reqs)
-        )
+    def greedy_round(self, reqs):
+        """A greedy batch's round as one CUDA graph replay (greedy_round_pass): verify, acceptance settled on
+        the device, draft-extend over the emitted tokens and the draft steps; then the one read-back, and
+        accept on the host. A request that finishes in this round (EOS, max_new_tokens) drafted on, into its
+        own pages, given back after the round."""
+        meta, tokens = self.verify_rows(reqs)
+        settled, logits, drafts = self.graphs.run("greedy", tokens, meta)
+        logits = logits.view(len(reqs), self.rows_per_request, -1)
+        emitted = self.accept(reqs, logits, settled.tolist())  # the round's one read-back
+        for b, new in enumerate(emitted):
+            if new and self.num_draft:
+                reqs[b].draft = drafts[b]
+                reqs[b].q = None
+
+    def verify_rows(self, reqs):
+        """The verify rows of every request: x_L, d_1..d_k at positions L..L+k -> (meta, tokens [B*(k+1)])."""
+        mode = "verify" if self.num_draft else "decode"
+        starts = [r.num_cached for r in reqs]
+        meta = Meta.build(mode, starts, [self.rows_per_request] * len(reqs), self.pool.table(reqs))
         last = to_device(torch.tensor([r.tokens[-1] for r in reqs]), self.device)  # [B]
-        if k:
-            drafts = torch.stack([r.draft for r in reqs])
-        else:
-            drafts = last[:, None][:, :0]  # [B, 0]
-        h, logits = self.forward("verify", torch.cat([last[:, None], drafts], 1).flatten(), meta)
-        return meta, h, logits.view(len(reqs), self.rows_per_request, -1), drafts
+        if not self.num_draft:
+            return meta, last
+        drafts = torch.stack([r.draft for r in reqs])  # [B, k]
+        return meta, torch.cat([last[:, None], drafts], 1).flatten()
 
     def accept(self, reqs, logits, greedy):
         """The tokens each request emits this round. Greedy: the longest prefix of drafts equal to the main
-        model's argmax, then its argmax after them, settled on the device: `greedy` holds each request's
-        argmax row and its number of accepted drafts, read back. Sampling: the rejection test of
-        speculative_accept (the output follows the main model's distribution)."""
+        model's argmax, then its argmax after them, settled on the device (settle_greedy): `greedy` holds
+        each request's argmax row and its number of accepted drafts, read back. Sampling: the rejection test
+        of speculative_accept (the output follows the main model's distribution)."""
         k = self.num_draft
         emitted = []
         for b, r in enumerate(reqs):
@@ -2130,30 +2127,8 @@ class Runner:
         host = torch.tensor(padded + [len(new) for new in emitted] + live)
         sizes = [len(padded), len(emitted), len(live)]
         tokens, counts, live_rows = to_device(host, self.device).split(sizes)
-        next_tokens, meta, last_emitted = self.extend_rows(meta, tokens.view(-1, n), counts)
+        next_tokens, meta, last_emitted = extend_rows(meta, tokens.view(-1, n), counts)
         return self.forward("extend", next_tokens, meta, h, head_rows=last_emitted[live_rows])
-
-    def greedy_drafts(self, meta, h, target, accepted):
-        """Draft-extend and the k-1 draft steps of a greedy batch as one CUDA graph (greedy_drafts_pass),
-        its inputs made on the device from the verify argmax `target` [B, k+1] and the accepted drafts [B]:
-        request b emits target[b, :a+1] (a = accepted[b]). A request that finishes in this round (EOS,
-        max_new_tokens) drafts on, into its own pages, given back after the round. -> drafts [B, k] (on the
-        device)."""
-        B, n = target.shape
-        next_tokens, meta, last_emitted = self.extend_rows(meta, target, accepted + 1)
-        starts = meta.positions.view(B, n)[:, 0] + accepted + 1  # num_cached after accept
-        return self.graphs.run("drafts", next_tokens, meta, h, head_rows=last_emitted, starts=starts)
-
-    def extend_rows(self, meta, emitted, counts):
-        """Draft-extend's inputs, on the device, from the first counts[b] tokens of each row b of emitted [B,
-        k+1] (the tokens request b emitted this round): the x's of its rows (0 past them), its Meta (rows
-        past them, a finished request's all, are padding: they write the dummy slot 0) and each request's
-        last emitted row."""
-        B, n = emitted.shape
-        keep = (torch.arange(n, device=self.device) < counts[:, None]).long()
-        meta = replace(meta, slots=meta.slots * keep.flatten())
-        last_emitted = torch.arange(B, device=self.device) * n + counts - 1
-        return (emitted * keep).flatten(), meta, last_emitted
 
     def draft(self, reqs, h, logits):
         """k draft tokens per request, left on the device (r.draft [k]): the first from the MTP logits of
@@ -2179,30 +2154,45 @@ class Runner:
                 r.q = torch.stack([q[b] for _, q in chosen])
 
 
-def start_read_back(x):
-    """Start copying x to the host, without waiting -> a function that waits for it and returns x.tolist()
-    (CUDA: pinned memory and an event, so that work queued after the copy need not finish first)."""
-    if x.device.type != "cuda":
-        return x.tolist
-    host = torch.empty(x.shape, dtype=x.dtype, pin_memory=True)
-    host.copy_(x, non_blocking=True)
-    copied = torch.cuda.Event()
-    copied.record()
-
-    def wait():
-        copied.synchronize()
-        return host.tolist()
-
-    return wait
+def settle_greedy(tokens, logits, num_draft):
+    """Greedy acceptance on the device, for the rows x_L, d_1..d_k of each request (tokens [B*(k+1)]) and
+    their logits: the argmax of every row, and how many leading drafts equal it -> [B, k+2], each request's
+    argmax row then its number of accepted drafts (it emits the accepted drafts, then the argmax after
+    them)."""
+    n = num_draft + 1
+    target = logits.argmax(-1).view(-1, n)  # [B, k + 1]
+    drafts = tokens.view(-1, n)[:, 1:]
+    accepted = (drafts == target[:, :num_draft]).cumprod(1).sum(1)  # [B]
+    return torch.cat([target, accepted[:, None]], 1)
 
 
-def greedy_drafts_pass(model, cache, num_draft, tokens, h, meta, head_rows, starts):
-    """Greedy drafts on the device, for one CUDA graph: draft-extend over the verify rows (decode_pass
-    'extend'), then num_draft - 1 MTP steps at positions starts, starts + 1, ..., each fed the previous
-    argmax, their metadata made from `starts` on the device -> drafts [B, num_draft]. (Its Meta's ctx_host is
-    not exact: only the kernels run it.)"""
-    h, logits = decode_pass(model, cache, "extend", tokens, meta, h, 0, head_rows)
-    drafts = [logits.argmax(-1)]
+def extend_rows(meta, emitted, counts):
+    """Draft-extend's inputs, on the device, from the first counts[b] tokens of each row b of emitted [B,
+    k+1] (the tokens request b emitted this round): the x's of its rows (0 past them), its Meta (rows past
+    them, a finished request's all, are padding: they write the dummy slot 0) and each request's last
+    emitted row."""
+    B, n = emitted.shape
+    keep = (torch.arange(n, device=emitted.device) < counts[:, None]).long()
+    meta = replace(meta, slots=meta.slots * keep.flatten())
+    last_emitted = torch.arange(B, device=emitted.device) * n + counts - 1
+    return (emitted * keep).flatten(), meta, last_emitted
+
+
+def greedy_round_pass(model, cache, num_draft, tokens, meta):
+    """A greedy batch's decode round on the device, for one CUDA graph: verify (decode_pass), settle_greedy,
+    then draft-extend over the verify rows with the emitted tokens as its x's (extend_rows) and num_draft - 1
+    MTP steps, each fed the previous argmax, their metadata made on the device -> (settled [B, k+2], verify
+    logits [B*(k+1), V], next drafts [B, k]). (The draft steps' Meta has no exact ctx_host: only the kernels
+    run this pass.)"""
+    h, logits = decode_pass(model, cache, "verify", tokens, meta)
+    settled = settle_greedy(tokens, logits, num_draft)
+    if num_draft == 0:
+        return settled, logits, settled[:, :0]
+    target, accepted = settled[:, :-1], settled[:, -1]
+    next_tokens, extend_meta, last_emitted = extend_rows(meta, target, accepted + 1)
+    h, draft_logits = decode_pass(model, cache, "extend", next_tokens, extend_meta, h, 0, last_emitted)
+    drafts = [draft_logits.argmax(-1)]
+    starts = meta.positions.view(-1, num_draft + 1)[:, 0] + accepted + 1  # num_cached after accept
     rows = torch.arange(len(starts), device=starts.device)
     for step in range(1, num_draft):
         pos = starts + (step - 1)
@@ -2215,11 +2205,10 @@ def greedy_drafts_pass(model, cache, num_draft, tokens, h, meta, head_rows, star
             cu_seqlens=list(range(len(rows) + 1)),
             ctx_host=torch.ones(len(rows), dtype=torch.long),
         )
-        h, logits = decode_pass(
-            model, cache, "draft", drafts[-1], step_meta, h, min(step, len(model.mtp) - 1)
-        )
-        drafts.append(logits.argmax(-1))
-    return torch.stack(drafts, 1)
+        mtp_layer = min(step, len(model.mtp) - 1)
+        h, draft_logits = decode_pass(model, cache, "draft", drafts[-1], step_meta, h, mtp_layer)
+        drafts.append(draft_logits.argmax(-1))
+    return settled, logits, torch.stack(drafts, 1)
 
 
 def decode_pass(model, cache, kind, tokens, meta, h=None, mtp_layer=0, head_rows=None):
@@ -2247,10 +2236,10 @@ def graph_buckets(max_bs, rows_per_req, tp=1):
 
 class CudaGraphs:
     """The decode round's forward passes as CUDA graphs, one per batch-size bucket and context bound (the
-    indexer's width is a shape: index_topk at start, powers of two above it on first use): 'verify',
-    'drafts' (a greedy batch's draft-extend and draft steps in one), and for sampling batches 'extend' and
-    'draft' (see Runner.forward). A replay copies the step's inputs into static buffers (padding rows write
-    the dummy slot 0)."""
+    indexer's width is a shape: index_topk at start, powers of two above it on first use): 'greedy' (a
+    greedy batch's whole round, greedy_round_pass), and for sampling batches 'verify', 'extend' and 'draft'
+    (see Runner.forward). A replay copies the step's inputs into static buffers (padding rows write the
+    dummy slot 0)."""
 
     def __init__(self, model: Transformer, cache: KVCache, num_draft, max_batch, max_context, page_size):
         cfg, dev = model.cfg, cache.latent.device
@@ -2258,8 +2247,8 @@ class CudaGraphs:
         self.model = model
         self.cache = cache
         self.num_draft = num_draft
-        self.rows = dict(verify=num_draft + 1, drafts=num_draft + 1, extend=num_draft + 1, draft=1)
-        kinds = ["verify"] + ["drafts", "extend"] * (num_draft > 0) + ["draft"] * (num_draft > 1)
+        self.rows = dict(greedy=num_draft + 1, verify=num_draft + 1, extend=num_draft + 1, draft=1)
+        kinds = ["greedy", "verify"] + ["extend"] * (num_draft > 0) + ["draft"] * (num_draft > 1)
         self.buckets = {kind: graph_buckets(max_batch, self.rows[kind], tp_size()) for kind in kinds}
         max_bs = max(b[-1] for b in self.buckets.values())
         rows = max_bs * (num_draft + 1)
@@ -2272,7 +2261,6 @@ class CudaGraphs:
         self.ctx = torch.zeros(rows, dtype=torch.long, device=dev)
         self.h = torch.zeros(rows, cfg.dim, dtype=BF16, device=dev)
         self.head_rows = torch.zeros(max_bs, dtype=torch.long, device=dev)  # one row per request (extend)
-        self.starts = torch.zeros(max_bs, dtype=torch.long, device=dev)  # first draft positions ('drafts')
         self.table = torch.zeros(max_bs, self.max_width, dtype=torch.long, device=dev)
         self.graphs = {}
         self.pool = None
@@ -2320,18 +2308,15 @@ class CudaGraphs:
         self.slots[:T] = 0
         self.ctx[:T] = 1
         self.head_rows[:bs] = 0  # (a larger batch's rows may be left there)
-        self.starts[:bs] = 0
 
         head_rows = None
-        if kind in ("extend", "drafts"):
+        if kind == "extend":
             head_rows = self.head_rows[:bs]
 
         def forward():
             tokens, h = self.tokens[:T], self.h[:T]
-            if kind == "drafts":
-                return greedy_drafts_pass(
-                    model, self.cache, self.num_draft, tokens, h, meta, head_rows, self.starts[:bs]
-                )
+            if kind == "greedy":
+                return greedy_round_pass(model, self.cache, self.num_draft, tokens, meta)
             return decode_pass(model, self.cache, kind, tokens, meta, h, mtp_layer, head_rows)
 
         forward()  # warm-up: compiles and autotunes kernels
@@ -2346,11 +2331,11 @@ class CudaGraphs:
         self.pool = self.pool or graph.pool()  # all graphs share one memory pool
         self.graphs[kind, bs, width, mtp_layer] = (graph, meta, out)
 
-    def run(self, kind, tokens, meta, h=None, mtp_layer=0, head_rows=None, starts=None):
+    def run(self, kind, tokens, meta, h=None, mtp_layer=0, head_rows=None):
         n, B = self.rows[kind], meta.table.shape[0]
         bs = next(b for b in self.buckets[kind] if b >= B)
         reach = meta.max_ctx
-        if kind == "drafts":  # its draft steps run k - 1 positions past the verify rows
+        if kind == "greedy":  # its draft steps run k - 1 positions past the verify rows
             reach += self.num_draft
         width = self.width(reach)
         if (kind, bs, width, mtp_layer) not in self.graphs:
@@ -2379,12 +2364,10 @@ class CudaGraphs:
             rows = len(head_rows)
             self.head_rows[:rows] = head_rows
             self.head_rows[rows:bs] = 0
-        if starts is not None:
-            self.starts[:B] = starts
-            self.starts[B:bs] = 0
         graph.replay()
-        if kind == "drafts":
-            return out[:B].clone()  # (the next replay overwrites out)
+        if kind == "greedy":
+            settled, logits, drafts = out
+            return settled[:B], logits[:T], drafts[:B].clone()  # (the next replay overwrites drafts)
         h_out, logits = out
         return h_out[:rows], logits[:rows]
 
