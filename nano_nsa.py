@@ -1910,10 +1910,12 @@ class PagePool:
 
 # ---- The scheduler: admission, chunked prefill, preemption -------------------------------------------------
 def round_lookahead(num_draft):
-    """KV positions a decode round may write past a request's num_cached L, with k = num_draft: verify
-    writes L..L+k; accepting moves L to at most L+k+1; the k-1 draft steps then write up to L+2k-1.
-    Reserved: 2k+1 (k >= 1: one spare; k = 0: exactly the one decode row)."""
-    return 2 * num_draft + 1
+    """KV positions a decode round may write past a request's num_cached L as the host knows it, with k =
+    num_draft. A greedy batch keeps one round in flight (Runner.greedy_round), which moves L by up to k+1
+    before the host learns it; then verify writes L'..L'+k, accepting moves L' to at most L'+k+1, and the
+    k-1 draft steps write up to L'+2k-1. Reserved: (k+1) + 2k+1 (k = 0: the round in flight and one decode
+    row)."""
+    return 3 * num_draft + 2
 
 
 class Scheduler:
@@ -2019,6 +2021,7 @@ class Runner:
         self.rows_per_request = num_draft + 1
         self.graphs = graphs
         self.device = cache.latent.device
+        self.in_flight = None  # a greedy round launched and not yet accepted: (its requests, its outputs)
 
     def forward(self, kind, tokens, meta, h=None, mtp_layer=0, head_rows=None):
         """A forward pass of the decode round and its head (decode_pass), replayed from a CUDA graph where
@@ -2062,6 +2065,7 @@ class Runner:
         if self.graphs and all(r.temperature == 0 for r in reqs):
             self.greedy_round(reqs)
             return
+        self.finish_in_flight()
         meta, tokens = self.verify_rows(reqs)
         h, logits = self.forward("verify", tokens, meta)
         logits = logits.view(len(reqs), self.rows_per_request, -1)
@@ -2074,14 +2078,40 @@ class Runner:
         self.draft([reqs[b] for b in live], hm, logits)
 
     def greedy_round(self, reqs):
-        """A greedy batch's round as one CUDA graph replay (greedy_round_pass): verify, acceptance settled on
-        the device, draft-extend over the emitted tokens and the draft steps; then the one read-back, and
-        accept on the host. A request that finishes in this round (EOS, max_new_tokens) drafted on, into its
-        own pages, given back after the round."""
-        meta, tokens = self.verify_rows(reqs)
-        settled, logits, drafts = self.graphs.run("greedy", tokens, meta)
+        """A greedy batch's round as one CUDA graph replay (greedy_round_pass: verify, acceptance settled on
+        the device, draft-extend over the emitted tokens, the draft steps), which also leaves the next
+        round's inputs on the device. So while the same batch goes on, round n+1 is launched before round n
+        is read back and accepted: the host accepts round n while the GPU runs round n+1. A batch that
+        changes (a request finished, joined or was preempted) first accepts the round in flight, then starts
+        from the host's state. A request that finishes drafts on for a round, into its own pages."""
+        previous = self.in_flight
+        launched = None
+        if previous is not None and previous[0] == [id(r) for r in reqs]:  # the same batch goes on
+            reach = max(r.num_cached for r in reqs) + round_lookahead(self.num_draft)
+            launched = self.graphs.go_on(len(reqs), self.pool.table(reqs), reach)
+        if launched is None:  # a new batch (or a context bound whose graph is not captured yet)
+            self.finish_in_flight()
+            previous = None
+            meta, tokens = self.verify_rows(reqs)
+            launched = self.graphs.run("greedy", tokens, meta)
+        if any(r.return_logits for r in reqs):  # the next replay overwrites them
+            read_back, logits, drafts = launched
+            launched = (read_back, logits.clone(), drafts)
+        self.in_flight = ([id(r) for r in reqs], reqs, launched)
+        if previous is not None:
+            self.finish(previous)
+
+    def finish_in_flight(self):
+        """Accept the greedy round in flight, if there is one."""
+        if self.in_flight is not None:
+            self.finish(self.in_flight)
+            self.in_flight = None
+
+    def finish(self, round_in_flight):
+        """Read a greedy round back (its one read-back), accept it, and keep each request's next drafts."""
+        _, reqs, (read_back, logits, drafts) = round_in_flight
         logits = logits.view(len(reqs), self.rows_per_request, -1)
-        emitted = self.accept(reqs, logits, settled.tolist())  # the round's one read-back
+        emitted = self.accept(reqs, logits, read_back())
         for b, new in enumerate(emitted):
             if new and self.num_draft:
                 reqs[b].draft = drafts[b]
@@ -2106,6 +2136,9 @@ class Runner:
         k = self.num_draft
         emitted = []
         for b, r in enumerate(reqs):
+            if r.finish is not None:  # finished in the round before (a greedy round in flight)
+                emitted.append([])
+                continue
             if r.temperature == 0:
                 new = greedy[b][: greedy[b][-1] + 1]  # the accepted drafts, then the argmax
             elif k:
@@ -2261,6 +2294,8 @@ class CudaGraphs:
         self.ctx = torch.zeros(rows, dtype=torch.long, device=dev)
         self.h = torch.zeros(rows, cfg.dim, dtype=BF16, device=dev)
         self.head_rows = torch.zeros(max_bs, dtype=torch.long, device=dev)  # one row per request (extend)
+        self.live = torch.zeros(rows, dtype=torch.long, device=dev)  # 1 for a request's rows, 0 for padding
+        self.inputs_left = False  # whether the buffers hold the next inputs of the last greedy replay
         self.table = torch.zeros(max_bs, self.max_width, dtype=torch.long, device=dev)
         self.graphs = {}
         self.pool = None
@@ -2304,9 +2339,10 @@ class CudaGraphs:
             ctx_host=torch.ones(T, dtype=torch.long),
             max_ctx=width,
         )
-        self.positions[:T] = 0
+        self.positions[:T] = 0  # the warm-up below runs: every row writes the dummy slot 0
         self.slots[:T] = 0
         self.ctx[:T] = 1
+        self.table[:bs, :width] = 0  # ('greedy' reads its slots from the table)
         self.head_rows[:bs] = 0  # (a larger batch's rows may be left there)
 
         head_rows = None
@@ -2316,7 +2352,7 @@ class CudaGraphs:
         def forward():
             tokens, h = self.tokens[:T], self.h[:T]
             if kind == "greedy":
-                return greedy_round_pass(model, self.cache, self.num_draft, tokens, meta)
+                return self.greedy_pass(meta, T)
             return decode_pass(model, self.cache, kind, tokens, meta, h, mtp_layer, head_rows)
 
         forward()  # warm-up: compiles and autotunes kernels
@@ -2331,7 +2367,23 @@ class CudaGraphs:
         self.pool = self.pool or graph.pool()  # all graphs share one memory pool
         self.graphs[kind, bs, width, mtp_layer] = (graph, meta, out)
 
+    def greedy_pass(self, meta, T):
+        """greedy_round_pass over the first T static rows, its slots read from the page table in the graph;
+        then it writes the next round's inputs over its own: each request's argmax after its accepted
+        drafts, its next drafts, and its positions moved past what it emitted (padding rows stay at 0)."""
+        positions = self.positions[:T]
+        meta = replace(meta, slots=meta.table[meta.row_req, positions], ctx_lens=positions + 1)
+        out = greedy_round_pass(self.model, self.cache, self.num_draft, self.tokens[:T], meta)
+        settled, _, drafts = out
+        accepted = settled[:, -1]
+        last = settled.gather(1, accepted[:, None])  # [B, 1] the argmax after the accepted drafts: x_L'
+        self.tokens[:T] = torch.cat([last, drafts], 1).flatten()
+        moved = (accepted + 1).repeat_interleave(self.num_draft + 1) * self.live[:T]
+        self.positions[:T] = positions + moved
+        return out
+
     def run(self, kind, tokens, meta, h=None, mtp_layer=0, head_rows=None):
+        self.inputs_left = False
         n, B = self.rows[kind], meta.table.shape[0]
         bs = next(b for b in self.buckets[kind] if b >= B)
         reach = meta.max_ctx
@@ -2357,6 +2409,8 @@ class CudaGraphs:
         self.positions[T:padded] = 0  # padding rows: write the dummy slot, read one position
         self.slots[T:padded] = 0
         self.ctx[T:padded] = 1
+        self.live[:T] = 1
+        self.live[T:padded] = 0
         self.table[:B, : meta.table.shape[1]] = meta.table
         self.table[B:bs, :width] = 0  # (so every position of a padding row is the dummy slot)
         rows = T
@@ -2364,12 +2418,46 @@ class CudaGraphs:
             rows = len(head_rows)
             self.head_rows[:rows] = head_rows
             self.head_rows[rows:bs] = 0
-        graph.replay()
         if kind == "greedy":
-            settled, logits, drafts = out
-            return settled[:B], logits[:T], drafts[:B].clone()  # (the next replay overwrites drafts)
+            return self.replay_greedy(graph, out, B)
+        graph.replay()
         h_out, logits = out
         return h_out[:rows], logits[:rows]
+
+    def go_on(self, B, table, reach):
+        """Replay a greedy batch's round on the inputs its last replay left in the static buffers (the same B
+        requests in the same order), with the page table as it is now (`reach`: a bound on the round's
+        contexts) -> as run; None where the graph of that context bound is not captured yet."""
+        bs = next(b for b in self.buckets["greedy"] if b >= B)
+        key = ("greedy", bs, self.width(reach), 0)
+        if not self.inputs_left or key not in self.graphs:
+            return None
+        self.table[:B, : table.shape[1]] = table  # the pages reserved since
+        graph, _, out = self.graphs[key]
+        return self.replay_greedy(graph, out, B)
+
+    def replay_greedy(self, graph, out, B):
+        """-> (a function that waits for the round's settled rows [B, k+2] and returns them as lists, its
+        logits [B*(k+1), V] (static: the next replay overwrites them), its next drafts [B, k])."""
+        graph.replay()
+        self.inputs_left = True
+        settled, logits, drafts = out
+        return start_read_back(settled[:B]), logits[: B * (self.num_draft + 1)], drafts[:B].clone()
+
+
+def start_read_back(x):
+    """Start copying x (CUDA) to the host without waiting -> a function that waits for that copy and returns
+    x.tolist(): pinned memory and an event, so that work queued after the copy need not finish first."""
+    host = torch.empty(x.shape, dtype=x.dtype, pin_memory=True)
+    host.copy_(x, non_blocking=True)
+    copied = torch.cuda.Event()
+    copied.record()
+
+    def wait():
+        copied.synchronize()
+        return host.tolist()
+
+    return wait
 
 
 # ---- LLM: the engine, tying the parts together -------------------------------------------------------------
@@ -2478,6 +2566,7 @@ class LLM:
         rounds = 0
         while self.scheduler.has_work():
             rounds += self.step() == "decode"
+        self.runner.finish_in_flight()  # a round launched after its requests finished: nothing to emit
         self.stats = self.summary(reqs, time.perf_counter() - t0, rounds)
         results = []
         for r in reqs:
