@@ -2084,9 +2084,10 @@ class Runner:
         is read back and accepted: the host accepts round n while the GPU runs round n+1. A batch that
         changes (a request finished, joined or was preempted) first accepts the round in flight, then starts
         from the host's state. A request that finishes drafts on for a round, into its own pages."""
+        batch = [id(r) for r in reqs]
         previous = self.in_flight
         launched = None
-        if previous is not None and previous[0] == [id(r) for r in reqs]:  # the same batch goes on
+        if previous is not None and previous[0] == batch:  # the same batch goes on
             reach = max(r.num_cached for r in reqs) + round_lookahead(self.num_draft)
             launched = self.graphs.go_on(len(reqs), self.pool.table(reqs), reach)
         if launched is None:  # a new batch (or a context bound whose graph is not captured yet)
@@ -2097,7 +2098,7 @@ class Runner:
         if any(r.return_logits for r in reqs):  # the next replay overwrites them
             read_back, logits, drafts = launched
             launched = (read_back, logits.clone(), drafts)
-        self.in_flight = ([id(r) for r in reqs], reqs, launched)
+        self.in_flight = (batch, reqs, launched)
         if previous is not None:
             self.finish(previous)
 
