@@ -2004,6 +2004,77 @@ class Scheduler:
 
 
 # ---- The runner: a prefill step, and the speculative decode round in four phases ---------------------------
+# First the passes of a round as functions of the model (the CUDA graphs capture them), then the Runner.
+def decode_pass(model, cache, kind, tokens, meta, h=None, mtp_layer=0, head_rows=None):
+    """One forward pass of a decode round and its head -> (hidden, fp32 logits): 'verify' the main model
+    over k + 1 rows per request, logits of every row; 'extend' the MTP layer over the same rows, hidden and
+    logits of the rows `head_rows` only (one per request); 'draft' MTP, one row per request."""
+    if kind == "verify":
+        h = model(tokens, meta, cache)
+        return h, model.logits(h)
+    h = model.mtp_forward(tokens, h, meta, cache, mtp_layer)
+    if head_rows is not None:
+        h = h[head_rows]
+    return h, model.mtp[mtp_layer].logits(h)
+
+
+def settle_greedy(tokens, logits, num_draft):
+    """Greedy acceptance on the device, for the rows x_L, d_1..d_k of each request (tokens [B*(k+1)]) and
+    their logits: the argmax of every row, and how many leading drafts equal it -> [B, k+2], each request's
+    argmax row then its number of accepted drafts (it emits the accepted drafts, then the argmax after
+    them)."""
+    n = num_draft + 1
+    target = logits.argmax(-1).view(-1, n)  # [B, k + 1]
+    drafts = tokens.view(-1, n)[:, 1:]
+    accepted = (drafts == target[:, :num_draft]).cumprod(1).sum(1)  # [B]
+    return torch.cat([target, accepted[:, None]], 1)
+
+
+def extend_rows(meta, emitted, counts):
+    """Draft-extend's inputs, on the device, from the first counts[b] tokens of each row b of emitted [B,
+    k+1] (the tokens request b emitted this round): the x's of its rows (0 past them), its Meta (rows past
+    them, a finished request's all, are padding: they write the dummy slot 0) and each request's last
+    emitted row."""
+    B, n = emitted.shape
+    keep = (torch.arange(n, device=emitted.device) < counts[:, None]).long()
+    meta = replace(meta, slots=meta.slots * keep.flatten())
+    last_emitted = torch.arange(B, device=emitted.device) * n + counts - 1
+    return (emitted * keep).flatten(), meta, last_emitted
+
+
+def greedy_round_pass(model, cache, num_draft, tokens, meta):
+    """A greedy batch's decode round on the device, for one CUDA graph: verify (decode_pass), settle_greedy,
+    then draft-extend over the verify rows with the emitted tokens as its x's (extend_rows) and num_draft - 1
+    MTP steps, each fed the previous argmax, their metadata made on the device -> (settled [B, k+2], verify
+    logits [B*(k+1), V], next drafts [B, k]). (The draft steps' Meta has no exact ctx_host: only the kernels
+    run this pass.)"""
+    h, logits = decode_pass(model, cache, "verify", tokens, meta)
+    settled = settle_greedy(tokens, logits, num_draft)
+    if num_draft == 0:
+        return settled, logits, settled[:, :0]
+    target, accepted = settled[:, :-1], settled[:, -1]
+    next_tokens, extend_meta, last_emitted = extend_rows(meta, target, accepted + 1)
+    h, draft_logits = decode_pass(model, cache, "extend", next_tokens, extend_meta, h, 0, last_emitted)
+    drafts = [draft_logits.argmax(-1)]
+    starts = meta.positions.view(-1, num_draft + 1)[:, 0] + accepted + 1  # num_cached after accept
+    rows = torch.arange(len(starts), device=starts.device)
+    for step in range(1, num_draft):
+        pos = starts + (step - 1)
+        step_meta = replace(
+            meta,
+            positions=pos,
+            slots=meta.table[rows, pos],
+            row_req=rows,
+            ctx_lens=pos + 1,
+            cu_seqlens=list(range(len(rows) + 1)),
+            ctx_host=torch.ones(len(rows), dtype=torch.long),
+        )
+        mtp_layer = min(step, len(model.mtp) - 1)
+        h, draft_logits = decode_pass(model, cache, "draft", drafts[-1], step_meta, h, mtp_layer)
+        drafts.append(draft_logits.argmax(-1))
+    return settled, logits, torch.stack(drafts, 1)
+
+
 class Runner:
     """Runs the model over the scheduler's steps. A decode round, with k = num_draft draft tokens per
     request, lays out rows_per_request = k + 1 rows per request: the last token x_L and the drafts d_1..d_k
@@ -2188,77 +2259,22 @@ class Runner:
                 r.q = torch.stack([q[b] for _, q in chosen])
 
 
-def settle_greedy(tokens, logits, num_draft):
-    """Greedy acceptance on the device, for the rows x_L, d_1..d_k of each request (tokens [B*(k+1)]) and
-    their logits: the argmax of every row, and how many leading drafts equal it -> [B, k+2], each request's
-    argmax row then its number of accepted drafts (it emits the accepted drafts, then the argmax after
-    them)."""
-    n = num_draft + 1
-    target = logits.argmax(-1).view(-1, n)  # [B, k + 1]
-    drafts = tokens.view(-1, n)[:, 1:]
-    accepted = (drafts == target[:, :num_draft]).cumprod(1).sum(1)  # [B]
-    return torch.cat([target, accepted[:, None]], 1)
-
-
-def extend_rows(meta, emitted, counts):
-    """Draft-extend's inputs, on the device, from the first counts[b] tokens of each row b of emitted [B,
-    k+1] (the tokens request b emitted this round): the x's of its rows (0 past them), its Meta (rows past
-    them, a finished request's all, are padding: they write the dummy slot 0) and each request's last
-    emitted row."""
-    B, n = emitted.shape
-    keep = (torch.arange(n, device=emitted.device) < counts[:, None]).long()
-    meta = replace(meta, slots=meta.slots * keep.flatten())
-    last_emitted = torch.arange(B, device=emitted.device) * n + counts - 1
-    return (emitted * keep).flatten(), meta, last_emitted
-
-
-def greedy_round_pass(model, cache, num_draft, tokens, meta):
-    """A greedy batch's decode round on the device, for one CUDA graph: verify (decode_pass), settle_greedy,
-    then draft-extend over the verify rows with the emitted tokens as its x's (extend_rows) and num_draft - 1
-    MTP steps, each fed the previous argmax, their metadata made on the device -> (settled [B, k+2], verify
-    logits [B*(k+1), V], next drafts [B, k]). (The draft steps' Meta has no exact ctx_host: only the kernels
-    run this pass.)"""
-    h, logits = decode_pass(model, cache, "verify", tokens, meta)
-    settled = settle_greedy(tokens, logits, num_draft)
-    if num_draft == 0:
-        return settled, logits, settled[:, :0]
-    target, accepted = settled[:, :-1], settled[:, -1]
-    next_tokens, extend_meta, last_emitted = extend_rows(meta, target, accepted + 1)
-    h, draft_logits = decode_pass(model, cache, "extend", next_tokens, extend_meta, h, 0, last_emitted)
-    drafts = [draft_logits.argmax(-1)]
-    starts = meta.positions.view(-1, num_draft + 1)[:, 0] + accepted + 1  # num_cached after accept
-    rows = torch.arange(len(starts), device=starts.device)
-    for step in range(1, num_draft):
-        pos = starts + (step - 1)
-        step_meta = replace(
-            meta,
-            positions=pos,
-            slots=meta.table[rows, pos],
-            row_req=rows,
-            ctx_lens=pos + 1,
-            cu_seqlens=list(range(len(rows) + 1)),
-            ctx_host=torch.ones(len(rows), dtype=torch.long),
-        )
-        mtp_layer = min(step, len(model.mtp) - 1)
-        h, draft_logits = decode_pass(model, cache, "draft", drafts[-1], step_meta, h, mtp_layer)
-        drafts.append(draft_logits.argmax(-1))
-    return settled, logits, torch.stack(drafts, 1)
-
-
-def decode_pass(model, cache, kind, tokens, meta, h=None, mtp_layer=0, head_rows=None):
-    """One forward pass of a decode round and its head -> (hidden, fp32 logits): 'verify' the main model
-    over k + 1 rows per request, logits of every row; 'extend' the MTP layer over the same rows, hidden and
-    logits of the rows `head_rows` only (one per request); 'draft' MTP, one row per request."""
-    if kind == "verify":
-        h = model(tokens, meta, cache)
-        return h, model.logits(h)
-    h = model.mtp_forward(tokens, h, meta, cache, mtp_layer)
-    if head_rows is not None:
-        h = h[head_rows]
-    return h, model.mtp[mtp_layer].logits(h)
-
-
 # ---- CUDA graphs: the decode round's forward passes captured per batch-size bucket -------------------------
+def start_read_back(x):
+    """Start copying x (CUDA) to the host without waiting -> a function that waits for that copy and returns
+    x.tolist(): pinned memory and an event, so that work queued after the copy need not finish first."""
+    host = torch.empty(x.shape, dtype=x.dtype, pin_memory=True)
+    host.copy_(x, non_blocking=True)
+    copied = torch.cuda.Event()
+    copied.record()
+
+    def wait():
+        copied.synchronize()
+        return host.tolist()
+
+    return wait
+
+
 def graph_buckets(max_bs, rows_per_req, tp=1):
     """Batch sizes captured for rows_per_req rows per request: 1, 2, 4, 8, then every 16 up to the first >=
     max_bs, those whose rows split evenly over tp ranks (SGLang's rule: at TP 8, bs=1 with 4 rows pads to
@@ -2444,21 +2460,6 @@ class CudaGraphs:
         self.inputs_left = True
         settled, logits, drafts = out
         return start_read_back(settled[:B]), logits[: B * (self.num_draft + 1)], drafts[:B].clone()
-
-
-def start_read_back(x):
-    """Start copying x (CUDA) to the host without waiting -> a function that waits for that copy and returns
-    x.tolist(): pinned memory and an event, so that work queued after the copy need not finish first."""
-    host = torch.empty(x.shape, dtype=x.dtype, pin_memory=True)
-    host.copy_(x, non_blocking=True)
-    copied = torch.cuda.Event()
-    copied.record()
-
-    def wait():
-        copied.synchronize()
-        return host.tolist()
-
-    return wait
 
 
 # ---- LLM: the engine, tying the parts together -------------------------------------------------------------
