@@ -1165,6 +1165,8 @@ def test_gpu_cuda_graphs_equal_eager(calm_dir, mtp):
     llm = m.LLM(calm_dir, device="cuda", mtp=mtp)
     assert llm.graphs is not None and len(llm.graphs.graphs) > 0
     got = llm.generate(prompts, max_new_tokens=16, return_logits=True)
+    for r in got:  # greedy: every token is its logits row's argmax (rows kept from rounds still in flight)
+        assert r.logits.argmax(-1).tolist() == r.token_ids
     widths = {key[2] for key in llm.graphs.graphs}
     assert max(widths) > m.Config.tiny().index_topk, widths  # a longer context bound was captured
     total = sum(len(r.token_ids) for r in want)
