@@ -2002,6 +2002,13 @@ class Scheduler:
             self.running.remove(r)
             self.pool.release(r)
 
+    def drop_all(self):
+        """Forget every request (a generate that was interrupted): the running ones give their pages back."""
+        for r in self.running:
+            self.pool.release(r)
+        self.running = []
+        self.waiting = []
+
 
 # ---- The runner: a prefill step, and the speculative decode round in four phases ---------------------------
 # First the passes of a round as functions of the model (the CUDA graphs capture them), then the Runner.
@@ -2566,9 +2573,14 @@ class LLM:
         self.scheduler.add(reqs)
         self.scheduler.preemptions = 0
         rounds = 0
-        while self.scheduler.has_work():
-            rounds += self.step() == "decode"
-        self.runner.finish_in_flight()  # a round launched after its requests finished: nothing to emit
+        try:
+            while self.scheduler.has_work():
+                rounds += self.step() == "decode"
+            self.runner.finish_in_flight()  # a round launched after its requests finished: nothing to emit
+        except BaseException:  # interrupted (Ctrl-C, an on_tokens that raised): no request is left behind
+            self.runner.in_flight = None
+            self.scheduler.drop_all()
+            raise
         self.stats = self.summary(reqs, time.perf_counter() - t0, rounds)
         results = []
         for r in reqs:

@@ -703,6 +703,24 @@ def oracle_drafts(monkeypatch, reference, wrong_every=3):
     monkeypatch.setattr(m.Runner, "draft", draft)
 
 
+def test_interrupted_generate_leaves_the_engine_clean(tiny_dir):
+    """A generate stopped by an exception (here an on_tokens that raises, as Ctrl-C would) leaves no request
+    in the scheduler and no page taken: the next generate gives a fresh engine's tokens."""
+    llm = m.LLM(tiny_dir, device="cpu", mtp=2)
+    prompts = mixed_prompts(3)
+    want = llm.generate(prompts, max_new_tokens=8)
+    free = llm.pool.free_slots
+
+    def stop(idx, tokens):
+        raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        llm.generate(prompts, max_new_tokens=8, on_tokens=stop)
+    assert not llm.scheduler.has_work() and llm.pool.free_slots == free
+    again = llm.generate(prompts, max_new_tokens=8)
+    assert [r.token_ids for r in again] == [r.token_ids for r in want]
+
+
 @pytest.mark.parametrize("mtp", [1, 2, 3])
 def test_speculative_greedy_equals_plain_greedy(tiny_dir, monkeypatch, mtp):
     prompts = mixed_prompts(8)
