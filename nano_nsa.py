@@ -2166,7 +2166,7 @@ class Runner:
         previous = self.in_flight
         launched = None
         if previous is not None and previous[0] == batch:  # the same batch goes on
-            reach = max(r.num_cached for r in reqs) + round_lookahead(self.num_draft)
+            reach = max(r.num_cached for r in reqs) + round_lookahead(self.num_draft)  # a bound: see there
             launched = self.graphs.go_on(len(reqs), self.pool.table(reqs), reach)
         if launched is None:  # a new batch (or a context bound whose graph is not captured yet)
             self.finish_in_flight()
