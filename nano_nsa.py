@@ -2143,7 +2143,7 @@ class Runner:
         if self.graphs and all(r.temperature == 0 for r in reqs):
             self.greedy_round(reqs)
             return
-        self.finish_in_flight()
+        self.accept_in_flight()
         meta, tokens = self.verify_rows(reqs)
         h, logits = self.forward("verify", tokens, meta)
         logits = logits.view(len(reqs), self.rows_per_request, -1)
@@ -2162,33 +2162,33 @@ class Runner:
         is read back and accepted: the host accepts round n while the GPU runs round n+1. A batch that
         changes (a request finished, joined or was preempted) first accepts the round in flight, then starts
         from the host's state. A request that finishes drafts on for a round, into its own pages."""
-        batch = [id(r) for r in reqs]
         previous = self.in_flight
         launched = None
-        if previous is not None and previous[0] == batch:  # the same batch goes on
+        if previous is not None and [id(r) for r in previous[0]] == [id(r) for r in reqs]:  # the same batch
             reach = max(r.num_cached for r in reqs) + round_lookahead(self.num_draft)  # a bound: see there
             launched = self.graphs.go_on(len(reqs), self.pool.table(reqs), reach)
         if launched is None:  # a new batch (or a context bound whose graph is not captured yet)
-            self.finish_in_flight()
+            self.accept_in_flight()
             previous = None
             meta, tokens = self.verify_rows(reqs)
             launched = self.graphs.run("greedy", tokens, meta)
         if any(r.return_logits for r in reqs):  # the next replay overwrites them
             read_back, logits, drafts = launched
             launched = (read_back, logits.clone(), drafts)
-        self.in_flight = (batch, reqs, launched)
+        self.in_flight = (reqs, launched)
         if previous is not None:
-            self.finish(previous)
+            self.accept_launched(*previous)
 
-    def finish_in_flight(self):
+    def accept_in_flight(self):
         """Accept the greedy round in flight, if there is one."""
         if self.in_flight is not None:
-            self.finish(self.in_flight)
+            self.accept_launched(*self.in_flight)
             self.in_flight = None
 
-    def finish(self, round_in_flight):
-        """Read a greedy round back (its one read-back), accept it, and keep each request's next drafts."""
-        _, reqs, (read_back, logits, drafts) = round_in_flight
+    def accept_launched(self, reqs, launched):
+        """Read a launched greedy round back (its one read-back), accept it, and keep each request's next
+        drafts."""
+        read_back, logits, drafts = launched
         logits = logits.view(len(reqs), self.rows_per_request, -1)
         emitted = self.accept(reqs, logits, read_back())
         for b, new in enumerate(emitted):
@@ -2433,8 +2433,6 @@ class CudaGraphs:
         self.positions[T:padded] = 0  # padding rows: write the dummy slot, read one position
         self.slots[T:padded] = 0
         self.ctx[T:padded] = 1
-        self.live[:T] = 1
-        self.live[T:padded] = 0
         self.table[:B, : meta.table.shape[1]] = meta.table
         self.table[B:bs, :width] = 0  # (so every position of a padding row is the dummy slot)
         rows = T
@@ -2442,7 +2440,9 @@ class CudaGraphs:
             rows = len(head_rows)
             self.head_rows[:rows] = head_rows
             self.head_rows[rows:bs] = 0
-        if kind == "greedy":
+        if kind == "greedy":  # its rows that move on to the next round (see greedy_pass)
+            self.live[:T] = 1
+            self.live[T:padded] = 0
             return self.replay_greedy(graph, out, B)
         graph.replay()
         h_out, logits = out
@@ -2576,7 +2576,7 @@ class LLM:
         try:
             while self.scheduler.has_work():
                 rounds += self.step() == "decode"
-            self.runner.finish_in_flight()  # a round launched after its requests finished: nothing to emit
+            self.runner.accept_in_flight()  # a round launched after its requests finished: nothing to emit
         except BaseException:  # interrupted (Ctrl-C, an on_tokens that raised): no request is left behind
             self.runner.in_flight = None
             self.scheduler.drop_all()
