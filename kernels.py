@@ -168,17 +168,10 @@ def index_topk(q8, head_weights, cache, meta, topk):
 # ------------------------------------------------------------------------------------------------------------
 # Sparse MLA rows: each query row over its own selected KV-pool slots, split in fixed chunks of its selection
 # ------------------------------------------------------------------------------------------------------------
-MLA_CHUNK = 256  # selected slots per program: a row's split follows its own selection, never the batch
-MLA_BLOCK_N = 32  # slots per inner step
-MLA_PARTIAL_BYTES = 128 << 20  # bound on the fp32 partial outputs of one launch (long prefills run in parts)
-
-
-def mla_block_h(T):
-    """Heads per program for T rows: 16 while the rows are few (more programs to fill the GPU), else 32 (fewer
-    re-reads of each latent). A head's sums do not depend on it: the same bits either way (GPU test)."""
-    if T < 16:
-        return 16
-    return 32
+MLA_CHUNK = 128  # selected slots per program: a row's split follows its own selection, never the batch
+MLA_BLOCK_N = 64  # slots per inner step
+MLA_BLOCK_H = 64  # heads per program (fewer for a model with fewer heads), whatever the number of rows
+MLA_PARTIAL_BYTES = 256 << 20  # bound on the fp32 partial outputs of one launch (long prefills run in parts)
 
 
 @triton.jit
@@ -289,6 +282,7 @@ def sparse_mla(q_abs, q_pe, cache, selected, meta, scale):
     R = q_pe.shape[-1]
     W = selected.shape[1]
     splits = triton.cdiv(W, MLA_CHUNK)
+    block_h = min(MLA_BLOCK_H, max(16, triton.next_power_of_2(H)))  # a launch config fixed by the model
     out = torch.empty(T, H, C, dtype=BF16, device=q_abs.device)
     step = max(1, MLA_PARTIAL_BYTES // (splits * H * C * 4))  # rows per launch (independent of each other)
     for t0 in range(0, T, step):
@@ -296,7 +290,6 @@ def sparse_mla(q_abs, q_pe, cache, selected, meta, scale):
         n = rows.stop - rows.start
         part = torch.empty(splits * n * H * C if splits > 1 else 0, dtype=torch.float32, device=q_abs.device)
         ml = torch.empty(splits * n * H * 2 if splits > 1 else 0, dtype=torch.float32, device=q_abs.device)
-        block_h = mla_block_h(n)
         _sparse_mla_kernel[(n, triton.cdiv(H, block_h), splits)](
             q_abs[rows].to(BF16).contiguous(),
             q_pe[rows].to(BF16).contiguous(),
@@ -319,8 +312,8 @@ def sparse_mla(q_abs, q_pe, cache, selected, meta, scale):
             CHUNK=MLA_CHUNK,
             BLOCK_H=block_h,
             BLOCK_N=MLA_BLOCK_N,
-            num_warps=4,
-            num_stages=2,
+            num_warps=8,
+            num_stages=3,
         )
         if splits > 1:
             _mla_combine_kernel[(n, H)](part, ml, out[rows], n, H, SPLITS=splits, C=C, num_warps=4)
