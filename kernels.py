@@ -231,23 +231,25 @@ def _sparse_mla_kernel(
         lsum = lsum * alpha + tl.sum(p, 1)
         acc = acc * alpha[:, None] + tl.dot(p.to(kv.dtype), kv)
         m = m_new
-    _mla_store(acc, m, lsum, out_ptr, part_ptr, ml_ptr, T, H, h, C, SPLITS)
+    _mla_store(acc, m, lsum, out_ptr, part_ptr, ml_ptr, T * H, qrow, hmask, C, SPLITS)
 
 
 @triton.jit
-def _mla_store(acc, m, lsum, out_ptr, part_ptr, ml_ptr, T, H, h, C: tl.constexpr, SPLITS: tl.constexpr):
-    """A program's end: SPLITS == 1, the normalized output of its heads h; else the unnormalized partial of
-    its chunk and its (max, sum), for _mla_combine_kernel."""
-    t, s = tl.program_id(0), tl.program_id(2)
+def _mla_store(
+    acc, m, lsum, out_ptr, part_ptr, ml_ptr, TH, qrow, hmask, C: tl.constexpr, SPLITS: tl.constexpr
+):
+    """A program's end, for its query rows qrow (t * H + h of its heads h; hmask: the real ones): SPLITS == 1,
+    their normalized output; else their chunk's unnormalized partial and its (max, sum), for
+    _mla_combine_kernel (TH = T * H query rows per chunk)."""
     c = tl.arange(0, C)
     if SPLITS == 1:
         out = (acc / lsum[:, None]).to(out_ptr.dtype.element_ty)
-        tl.store(out_ptr + (t.to(tl.int64) * H + h)[:, None] * C + c[None, :], out, mask=(h < H)[:, None])
+        tl.store(out_ptr + qrow[:, None] * C + c[None, :], out, mask=hmask[:, None])
     else:
-        part = (s * T + t).to(tl.int64) * H + h  # [SPLITS, T, H] rows of C
-        tl.store(part_ptr + part[:, None] * C + c[None, :], acc, mask=(h < H)[:, None])
-        tl.store(ml_ptr + part * 2, m, mask=h < H)
-        tl.store(ml_ptr + part * 2 + 1, lsum, mask=h < H)
+        part = tl.program_id(2).to(tl.int64) * TH + qrow  # [SPLITS, T, H] rows of C
+        tl.store(part_ptr + part[:, None] * C + c[None, :], acc, mask=hmask[:, None])
+        tl.store(ml_ptr + part * 2, m, mask=hmask)
+        tl.store(ml_ptr + part * 2 + 1, lsum, mask=hmask)
 
 
 @triton.jit

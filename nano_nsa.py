@@ -2374,9 +2374,9 @@ class CudaGraphs:
             head_rows = self.head_rows[:bs]
 
         def forward():
-            tokens, h = self.tokens[:T], self.h[:T]
             if kind == "greedy":
                 return self.greedy_pass(meta, T)
+            tokens, h = self.tokens[:T], self.h[:T]
             return decode_pass(model, self.cache, kind, tokens, meta, h, mtp_layer, head_rows)
 
         forward()  # warm-up: compiles and autotunes kernels
