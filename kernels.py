@@ -33,6 +33,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 from triton.language.extra import libdevice
+from triton.tools.tensor_descriptor import TensorDescriptor
 
 BF16 = torch.bfloat16
 
@@ -406,19 +407,20 @@ def _act_quant_kernel(
     no bit) of x (SWIGLU: of silu(x[:, :K]) * x[:, K:]) -> q e4m3, s fp32. rows_ptr (not None): a row whose
     entry is negative is padding (the MoE's expert blocks), left alone."""
     row = tl.program_id(0).to(tl.int64)
-    g = tl.program_id(1) * GROUPS + tl.arange(0, GROUPS)
-    c = tl.arange(0, 128)
-    live = g < K // 128
+    padding = False
     if rows_ptr is not None:
-        live = live & (tl.load(rows_ptr + row) >= 0)
-    ok = live[:, None]
-    offs = g[:, None] * 128 + c[None, :]
-    x = tl.load(x_ptr + row * x_stride + offs, mask=ok, other=0.0).to(tl.float32)
-    if SWIGLU:
-        x = _swiglu(x, tl.load(x_ptr + row * x_stride + K + offs, mask=ok, other=0.0).to(tl.float32))
-    q, s = _pow2_quant(x)
-    tl.store(q_ptr + row * K + offs, q, mask=ok)
-    tl.store(s_ptr + row * (K // 128) + g, s, mask=live)
+        padding = tl.load(rows_ptr + row) < 0
+    if not padding:
+        g = tl.program_id(1) * GROUPS + tl.arange(0, GROUPS)
+        live = g < K // 128
+        ok = live[:, None]
+        offs = g[:, None] * 128 + tl.arange(0, 128)[None, :]
+        x = tl.load(x_ptr + row * x_stride + offs, mask=ok, other=0.0).to(tl.float32)
+        if SWIGLU:
+            x = _swiglu(x, tl.load(x_ptr + row * x_stride + K + offs, mask=ok, other=0.0).to(tl.float32))
+        q, s = _pow2_quant(x)
+        tl.store(q_ptr + row * K + offs, q, mask=ok)
+        tl.store(s_ptr + row * (K // 128) + g, s, mask=live)
 
 
 ACT_QUANT_GROUPS = 8  # 128-wide groups per program: a one-row 16384-wide input is 16 programs, not one
@@ -472,10 +474,12 @@ def _gemm_kernel(
     c_ptr,
     part_ptr,
     lock_ptr,
+    b_desc,
     M,
     N,
     K,
     a_stride,
+    B_TMA: tl.constexpr,
     SCALED: tl.constexpr,
     GATHER: tl.constexpr,
     SCATTER: tl.constexpr,
@@ -489,16 +493,19 @@ def _gemm_kernel(
     padding row); SCATTER: and it is written to row rows[m] of C. GROUPED: this block of M rows belongs to
     expert experts[pid_m] (-1: none) and reads that expert's B. SPLIT_K > 1: program k sums the k blocks k,
     k + SPLIT_K, ... into its slice of the partials [SPLIT_K, M, N]; the tile's last program to finish adds
-    the slices in split order."""
+    the slices in split order. B_TMA: B's tiles arrive by TMA through b_desc (B as rows of K, the experts'
+    one after another), else by plain loads."""
     pid_m, pid_n, pid_k = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     KB = tl.cdiv(K, 128)
     rows, valid_m = _gemm_rows(rows_ptr, offs_m, M, GATHER)
     n_kb = KB
+    b_row0 = pid_n * BLOCK_N
     if GROUPED:  # the tile's expert: its weights and scales (none: no k blocks, zero rows)
         e = tl.load(expert_ptr + pid_m)
         n_kb = tl.where(e >= 0, KB, 0)
+        b_row0 += tl.maximum(e, 0) * N
         b_ptr += tl.maximum(e, 0).to(tl.int64) * N * K
         if SCALED:
             bs_ptr += tl.maximum(e, 0).to(tl.int64) * ((N + 127) // 128) * KB
@@ -510,7 +517,12 @@ def _gemm_kernel(
         as_ptr += rows * KB
         bs_ptr += (offs_n // 128) * KB
     for kb in range(pid_k, n_kb, SPLIT_K):
-        acc = _gemm_k_block(acc, a_rows, as_ptr, b_rows, bs_ptr, valid_m, valid_n, kb, K, SCALED)
+        a = _load_k_block(a_rows, valid_m, kb, K)
+        if B_TMA:  # (rows past N read zeros or the next expert's: never stored)
+            b = b_desc.load([b_row0, kb * 128])
+        else:
+            b = _load_k_block(b_rows, valid_n, kb, K)
+        acc = _gemm_k_block(acc, a, as_ptr, b, bs_ptr, valid_m, valid_n, kb, SCALED)
     out_rows = offs_m.to(tl.int64)
     if SCATTER:
         out_rows = rows
@@ -523,12 +535,16 @@ def _gemm_kernel(
 
 
 @triton.jit
-def _gemm_k_block(acc, a, sa, b, sb, valid_m, valid_n, kb, K, SCALED: tl.constexpr):
-    """acc plus the k block kb's product of the A rows at `a` and the B rows at `b` (pointers to each row's
-    start), each product times its two scales (at sa[kb], sb[kb]) when SCALED."""
+def _load_k_block(rows, valid, kb, K):
+    """The k block kb (128 columns) of the rows starting at `rows` (zeros where not valid)."""
     kc = kb * 128 + tl.arange(0, 128)
-    a = tl.load(a + kc[None, :], mask=valid_m[:, None] & (kc < K)[None, :], other=0.0)
-    b = tl.load(b + kc[None, :], mask=valid_n[:, None] & (kc < K)[None, :], other=0.0)
+    return tl.load(rows + kc[None, :], mask=valid[:, None] & (kc < K)[None, :], other=0.0)
+
+
+@triton.jit
+def _gemm_k_block(acc, a, sa, b, sb, valid_m, valid_n, kb, SCALED: tl.constexpr):
+    """acc plus the k block kb's product of the A tile a and the B tile b, times its two scales (at sa[kb],
+    sb[kb] of each row's scales) when SCALED."""
     if SCALED:
         sa = tl.load(sa + kb, mask=valid_m, other=0.0)
         sb = tl.load(sb + kb, mask=valid_n, other=0.0)
@@ -571,31 +587,37 @@ def _split_k_sum(acc, c, part_ptr, lock_ptr, offs_m, offs_n, mask, M, N, SPLIT_K
 
 GEMM_BLOCK_M = 64  # one tile height for every M: a row's sums never depend on how many rows there are
 GEMM_PROGRAMS = 256  # split-K aims at this many programs for one row tile (about 2 per SM of an H200)
+GEMM_SPLITS = 16  # at most: the tile's last program adds the partials one after another
 GEMM_PARTIAL_BYTES = 64 << 20  # bound on the split-K partials of one launch (long prefills run in parts)
 GEMM_LOCKS = 1 << 16  # split-K tile counters, zero between launches
 _LOCKS = {}  # device -> the counters (made at the first, eager, call)
 
 
-def gemm_config(N, K, grouped=False):
-    """Tile width, split-K and pipeline depth of the GEMM with an [N, K] weight, from its shape only (never
-    from the number of rows, which would make a row's sum order depend on the batch); chosen by a sweep at 1
-    to 64 rows on an H200 (docs/performance.md). Grouped (the MoE experts, whose blocks of rows fill the SMs;
-    MLA's per-head maps): no split, 128-wide tiles for the experts' long rows. Otherwise split-K for enough
-    programs to fill the SMs at one row tile, at most 128 KB of fp32 partials per row, and no split for a
-    short K (16 blocks or fewer: the partial sum would cost more than it saves); 128-wide tiles for a very
-    long K (o_proj, the dense MLP's w2)."""
+def gemm_config(N, K, grouped=False, fp8=True):
+    """Tile width, split-K, pipeline depth and weight loads of the GEMM with an [N, K] weight, from its shape
+    only (never from the number of rows, which would make a row's sum order depend on the batch); chosen by
+    sweeps at 1 to 64 rows on an H200 (docs/performance.md).
+    - Grouped (the MoE experts, whose blocks of rows fill the SMs; MLA's per-head maps): no split, 128-wide
+      tiles for the experts' long rows.
+    - Otherwise split-K for enough programs to fill the SMs at one row tile, at most GEMM_SPLITS splits and
+      128 KB of fp32 partials per row, and no split for a short K (16 blocks or fewer: the partial sum would
+      cost more than it saves); 128-wide tiles for a very long K (o_proj, the dense MLP's w2).
+    - An FP8 weight that each program walks for 16 k blocks or more arrives by TMA, 4 tiles in flight (plain
+      loads measured faster for bf16 weights and for short walks).
+    Of these choices only split-K changes a bit: it orders the sums."""
     k_blocks = K // 128
-    if grouped:
-        if k_blocks >= 8:
-            return dict(BLOCK_N=128, SPLIT_K=1, num_warps=4, num_stages=4)
-        return dict(BLOCK_N=64, SPLIT_K=1, num_warps=4, num_stages=3)
+    long_rows = grouped and k_blocks >= 8
     block_n = 64
-    if k_blocks >= 128:
+    if long_rows or (not grouped and k_blocks >= 128):
         block_n = 128
     split = 1
-    if k_blocks > 16:
-        split = max(1, min(k_blocks, GEMM_PROGRAMS // triton.cdiv(N, block_n), 32768 // N))
-    return dict(BLOCK_N=block_n, SPLIT_K=split, num_warps=4, num_stages=3)
+    if not grouped and k_blocks > 16:
+        split = max(1, min(GEMM_SPLITS, k_blocks, GEMM_PROGRAMS // triton.cdiv(N, block_n), 32768 // N))
+    tma = fp8 and k_blocks // split >= 16
+    stages = 3
+    if tma or long_rows:
+        stages = 4
+    return dict(BLOCK_N=block_n, SPLIT_K=split, B_TMA=tma, num_warps=4, num_stages=stages)
 
 
 def _gemm(a, sa, b, sb, M, N, rows=None, experts=None, scatter=False, out_dtype=BF16):
@@ -604,7 +626,8 @@ def _gemm(a, sa, b, sb, M, N, rows=None, experts=None, scatter=False, out_dtype=
     `rows`), fp32 accumulation of each 128-block product times its two scales, in an order fixed by the
     weight's shape. sa = sb = None: bf16 A and B, no scales."""
     K = b.shape[-1]
-    config = gemm_config(N, K, grouped=experts is not None)
+    config = gemm_config(N, K, grouped=experts is not None, fp8=sb is not None)
+    config["B_TMA"] &= b.is_contiguous()
     split = config["SPLIT_K"]
     if scatter:
         c = torch.empty(a.shape[0], N, device=a.device, dtype=out_dtype)
@@ -626,6 +649,9 @@ def _gemm(a, sa, b, sb, M, N, rows=None, experts=None, scatter=False, out_dtype=
         out = c  # (the gathered and grouped GEMMs never run in parts: m0 = 0)
         if not scatter:
             out = c[m0 : m0 + m]
+        b_desc = None
+        if config["B_TMA"]:  # the weight as rows of K (the experts' stacked one after another)
+            b_desc = TensorDescriptor(b.view(-1, K), [b.numel() // K, K], [K, 1], [config["BLOCK_N"], 128])
         _gemm_kernel[grid](
             a[m0:],
             scales_a,
@@ -636,6 +662,7 @@ def _gemm(a, sa, b, sb, M, N, rows=None, experts=None, scatter=False, out_dtype=
             out,
             part,
             _LOCKS[a.device],
+            b_desc,
             m,
             N,
             K,
@@ -689,6 +716,7 @@ def _combine_kernel(o_ptr, pos_ptr, w_ptr, shared_ptr, y_ptr, D, A: tl.constexpr
 def _moe_layout_kernel(
     idx_ptr,
     token_ptr,
+    live_ptr,
     pos_ptr,
     expert_ptr,
     P,
@@ -702,9 +730,9 @@ def _moe_layout_kernel(
 ):
     """One program lays out the P = T * A (token, choice) pairs for the grouped GEMMs: sorted by expert
     (pairs in their own order inside an expert) into blocks of BM rows, each expert's rows padded to whole
-    blocks. Writes token[r] (the token of sorted row r, -1 for padding), pos[p] (the sorted row of pair p)
-    and expert[b] (block b's expert, -1 for none). idx E (another rank's expert) sorts last, as expert -1.
-    E_PAD: E + 1 rounded up to a power of two; BLOCK: pairs per step."""
+    blocks. Writes token[r] (the token of sorted row r, -1 for padding), live[r] (r, -1 for padding), pos[p]
+    (the sorted row of pair p) and expert[b] (block b's expert, -1 for none). idx E (another rank's expert)
+    sorts last, as expert -1. E_PAD: E + 1 rounded up to a power of two; BLOCK: pairs per step."""
     bins = tl.arange(0, E_PAD)
     counts = tl.zeros([E_PAD], tl.int32)
     for p0 in range(0, P, BLOCK):
@@ -719,6 +747,7 @@ def _moe_layout_kernel(
     for r0 in range(0, R, 1024):
         r = r0 + tl.arange(0, 1024)
         tl.store(token_ptr + r, tl.full([1024], -1, tl.int64), mask=r < R)
+        tl.store(live_ptr + r, tl.full([1024], -1, tl.int64), mask=r < R)
     tl.debug_barrier()  # every padding row is written before the pairs' rows overwrite theirs
     placed = pad_end - padded  # the next free row of each expert
     for p0 in range(0, P, BLOCK):
@@ -729,23 +758,25 @@ def _moe_layout_kernel(
         row = tl.sum(tl.where(mine, placed[None, :], 0), 1) + tl.sum(earlier.to(tl.int32), 1)
         tl.store(pos_ptr + p, row.to(tl.int64), mask=p < P)
         tl.store(token_ptr + row, (p // A).to(tl.int64), mask=p < P)
+        tl.store(live_ptr + row, row.to(tl.int64), mask=p < P)
         placed += tl.sum(mine.to(tl.int32), 0)
 
 
 def moe_layout(idx, E):
-    """_moe_layout_kernel's outputs for expert choices idx [T, A] of E experts: (token [R], pos [T * A],
-    expert [R / GEMM_BLOCK_M]), R an upper bound on the padded rows known on the host (no sync)."""
+    """_moe_layout_kernel's outputs for expert choices idx [T, A] of E experts: (token [R], live [R], pos
+    [T * A], expert [R / GEMM_BLOCK_M]), R an upper bound on the padded rows known on the host (no sync)."""
     T, A = idx.shape
     P = T * A
     bm = GEMM_BLOCK_M
     n_blocks = min(E + 1, P) + triton.cdiv(P, bm)
     token = torch.empty(n_blocks * bm, dtype=torch.int64, device=idx.device)
+    live = torch.empty_like(token)
     pos = torch.empty(P, dtype=torch.int64, device=idx.device)
     experts = torch.empty(n_blocks, dtype=torch.int32, device=idx.device)
-    layout = (idx.flatten().to(torch.int32), token, pos, experts, P, len(token), n_blocks)
+    layout = (idx.flatten().to(torch.int32), token, live, pos, experts, P, len(token), n_blocks)
     E_PAD = triton.next_power_of_2(E + 1)
-    _moe_layout_kernel[(1,)](*layout, A=A, E=E, E_PAD=E_PAD, BM=bm, BLOCK=32, num_warps=8)
-    return token, pos, experts
+    _moe_layout_kernel[(1,)](*layout, A=A, E=E, E_PAD=E_PAD, BM=bm, BLOCK=32, num_warps=4)
+    return token, live, pos, experts
 
 
 def moe(x, weights, idx, w13, s13, w2, s2, shared):
@@ -758,12 +789,12 @@ def moe(x, weights, idx, w13, s13, w2, s2, shared):
     expert -1, which the GEMMs skip."""
     T, A = idx.shape
     E, I2, dim = w13.shape
-    token, pos, experts = moe_layout(idx, E)
+    token, live, pos, experts = moe_layout(idx, E)
     R = len(token)
     q, s = act_quant(x)
     h = _gemm(q, s, w13, s13, R, I2, rows=token, experts=experts)  # [R, 2I] bf16
     q, s = act_quant(h, swiglu=True, rows=token)  # SwiGLU's activation, quantized (padding rows skipped)
-    o = _gemm(q, s, w2, s2, R, dim, experts=experts)  # [R, dim] bf16
+    o = _gemm(q, s, w2, s2, R, dim, rows=live, experts=experts, scatter=True)  # [R, dim] bf16 (padding unset)
     y = torch.empty(T, dim, dtype=torch.float32, device=x.device)
     BLOCK = 1024
     _combine_kernel[(T, triton.cdiv(dim, BLOCK))](

@@ -2417,7 +2417,8 @@ def experts_full():
 def _moe_layout_reference(idx, E, block):
     """The grouped GEMMs' row layout, written out: experts 0 .. E (E: another rank's, as expert -1) in order,
     each one's (token, choice) pairs in pair order, padded with -1 rows to whole blocks; then -1 rows up to
-    the launch's upper bound. -> (token per row, row of each pair, expert per block)."""
+    the launch's upper bound. -> (token per row, the row itself or -1 for padding, row of each pair, expert
+    per block)."""
     T, A = idx.shape
     flat = idx.flatten().tolist()
     n_blocks = min(E + 1, T * A) + -(-T * A // block)
@@ -2431,7 +2432,8 @@ def _moe_layout_reference(idx, E, block):
         experts += [e if e < E else -1] * (-(-len(pairs) // block))
     token += [-1] * (n_blocks * block - len(token))
     experts += [-1] * (n_blocks - len(experts))
-    return token, pos, experts
+    live = [r if t >= 0 else -1 for r, t in enumerate(token)]
+    return token, live, pos, experts
 
 
 @gpu
