@@ -14,7 +14,8 @@ the set `nano_nsa.select_ops` binds on a GPU that `unsupported()` accepts.
   rope, store_latent   MLA's query rotation; its cache write (norm, FP8 round trip, rotation), one launch
   rms_norm        RMSNorm (with the residual add): Triton, one program per row
   fp8_linear      Triton act-quant (1x128, pow2 scales) + block-scaled FP8 GEMM (split-K by weight shape,
-                  the partials summed in order by the tile's last program); swiglu_linear: SwiGLU in the quant
+                  the partials summed in order by the tile's last program; long weight walks by TMA);
+                  swiglu_linear: SwiGLU in the quant
   dense_linear    bf16 weights with fp32 accumulation (lm_head, weights_proj, eh_proj, router): Triton GEMM
   route           the router after its product (sigmoid, group-limited top-k, weights): one launch
   moe             routed experts: one-launch sort by expert, two grouped FP8 GEMMs, ordered combine; no sync
