@@ -2327,14 +2327,23 @@ def test_gpu_act_quant_kernel_is_bit_exact(M, K):
 @gpu
 @pytest.mark.parametrize(
     "N,K",
-    [(1536, 7168), (24576, 1536), (576, 7168), (7168, 16384), (18432, 7168), (7168, 18432), (128, 7168)],
+    [
+        (1536, 7168),
+        (24576, 1536),
+        (576, 7168),
+        (7168, 16384),
+        (18432, 7168),
+        (7168, 18432),
+        (128, 7168),
+        (200, 2048),
+    ],
 )
 @pytest.mark.parametrize("M", [1, 4, 16, 64, 512])
 def test_gpu_fp8_linear_matches_reference(M, N, K):
     """The Triton block-scaled FP8 GEMM (with act-quant) vs the reference at the real projection shapes (q_a,
-    q_b, kv_a, o, dense w1 / w2, indexer wk). Bound 1e-2 relative (Frobenius): the output is rounded to bf16
-    (2^-9) and Hopper's FP8 tensor cores sum each 128-wide block with about 14 bits before its fp32
-    promotion."""
+    q_b, kv_a, o, dense w1 / w2, indexer wk), and a weight whose last tile is partial, read by TMA (200 x
+    2048). Bound 1e-2 relative (Frobenius): the output is rounded to bf16 (2^-9) and Hopper's FP8 tensor cores
+    sum each 128-wide block with about 14 bits before its fp32 promotion."""
     import kernels
 
     gen = torch.Generator("cuda").manual_seed(M * 7 + N + K)
