@@ -489,13 +489,11 @@ def _gemm_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
 ):
-    """C[m, n] = sum over 128-wide k blocks of (A8[m, kb] . B8[n, kb]) * sa[m, kb] * sb[n // 128, kb], fp32.
-    SCALED=False: bf16 A and B without scales, C = A . B^T in fp32. GATHER: row m of A is rows[m] (-1: a
-    padding row); SCATTER: and it is written to row rows[m] of C. GROUPED: this block of M rows belongs to
-    expert experts[pid_m] (-1: none) and reads that expert's B. SPLIT_K > 1: program k sums the k blocks k,
-    k + SPLIT_K, ... into its slice of the partials [SPLIT_K, M, N]; the tile's last program to finish adds
-    the slices in split order. B_TMA: B's tiles arrive by TMA through b_desc (B as rows of K, the experts'
-    one after another), else by plain loads."""
+    """C[m, n] = sum over 128-wide k blocks of (A8[m, kb] . B8[n, kb]) * sa[m, kb] * sb[n // 128, kb], fp32
+    (SCALED=False: bf16 A and B, no scales). GATHER: row m of A is rows[m] (-1: a padding row); SCATTER: and
+    it is written to row rows[m] of C. GROUPED: the M-row block reads expert experts[pid_m]'s B (-1: no B).
+    SPLIT_K > 1: program k sums the k blocks k, k + SPLIT_K, ...; the tile's last program to finish adds the
+    partials in split order (_gemm_store). B_TMA: B's tiles come by TMA through b_desc (B as rows of K)."""
     pid_m, pid_n, pid_k = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -519,20 +517,14 @@ def _gemm_kernel(
         bs_ptr += (offs_n // 128) * KB
     for kb in range(pid_k, n_kb, SPLIT_K):
         a = _load_k_block(a_rows, valid_m, kb, K)
-        if B_TMA:  # (rows past N read zeros or the next expert's: never stored)
-            b = b_desc.load([b_row0, kb * 128])
-        else:
-            b = _load_k_block(b_rows, valid_n, kb, K)
+        b = _weight_k_block(b_rows, b_desc, b_row0, valid_n, kb, K, B_TMA)
         acc = _gemm_k_block(acc, a, as_ptr, b, bs_ptr, valid_m, valid_n, kb, SCALED)
     out_rows = offs_m.to(tl.int64)
     if SCATTER:
         out_rows = rows
     c = c_ptr + out_rows[:, None] * N + offs_n[None, :]
     mask = valid_m[:, None] & valid_n[None, :]
-    if SPLIT_K == 1:
-        tl.store(c, acc.to(c_ptr.dtype.element_ty), mask=mask)
-    else:
-        _split_k_sum(acc, c, part_ptr, lock_ptr, offs_m, offs_n, mask, M, N, SPLIT_K)
+    _gemm_store(acc, c, part_ptr, lock_ptr, offs_m, offs_n, mask, M, N, SPLIT_K)
 
 
 @triton.jit
@@ -540,6 +532,15 @@ def _load_k_block(rows, valid, kb, K):
     """The k block kb (128 columns) of the rows starting at `rows` (zeros where not valid)."""
     kc = kb * 128 + tl.arange(0, 128)
     return tl.load(rows + kc[None, :], mask=valid[:, None] & (kc < K)[None, :], other=0.0)
+
+
+@triton.jit
+def _weight_k_block(b_rows, b_desc, b_row0, valid_n, kb, K, B_TMA: tl.constexpr):
+    """The k block kb of the tile's weight rows: by TMA from row b_row0 of b_desc (rows past N read zeros or
+    the next expert's: never stored), or by plain loads from the rows starting at b_rows."""
+    if B_TMA:
+        return b_desc.load([b_row0, kb * 128])
+    return _load_k_block(b_rows, valid_n, kb, K)
 
 
 @triton.jit
@@ -566,24 +567,26 @@ def _gemm_rows(rows_ptr, offs_m, M, GATHER: tl.constexpr):
 
 
 @triton.jit
-def _split_k_sum(acc, c, part_ptr, lock_ptr, offs_m, offs_n, mask, M, N, SPLIT_K: tl.constexpr):
-    """Split-K's end: this program's partial goes to its slice of the partials [SPLIT_K, M, N]; the tile's
-    last program to finish (an int counter per tile) adds the SPLIT_K slices in split order, 8 loads in
-    flight at a time, and writes c."""
-    pid_k = tl.program_id(2)
-    MN = M * N
-    part = part_ptr + offs_m[:, None].to(tl.int64) * N + offs_n[None, :]
-    lock = lock_ptr + tl.program_id(0) * tl.num_programs(1) + tl.program_id(1)
-    tl.store(part + pid_k.to(tl.int64) * MN, acc, mask=mask)
-    tl.debug_barrier()  # every thread's partial is out before the tile's count goes up
-    if tl.atomic_add(lock, 1) == SPLIT_K - 1:  # (acq_rel: the other programs' partials are visible)
-        total = tl.zeros(acc.shape, dtype=tl.float32)
-        for s0 in range(0, SPLIT_K, 8):
-            for i in tl.static_range(8):
-                split = mask & (s0 + i < SPLIT_K)
-                total += tl.load(part + (s0 + i) * MN, mask=split, other=0.0, cache_modifier=".cg")
-        tl.store(c, total.to(c.dtype.element_ty), mask=mask)
-        tl.atomic_xchg(lock, 0)  # ready for the next launch
+def _gemm_store(acc, c, part_ptr, lock_ptr, offs_m, offs_n, mask, M, N, SPLIT_K: tl.constexpr):
+    """A tile's end: without split-K, acc goes to c. Else this program's partial goes to its slice of the
+    partials [SPLIT_K, M, N]; the tile's last program to finish (an int counter per tile) adds the SPLIT_K
+    slices in split order, 8 loads in flight at a time, and writes c."""
+    if SPLIT_K == 1:
+        tl.store(c, acc.to(c.dtype.element_ty), mask=mask)
+    else:
+        MN = M * N
+        part = part_ptr + offs_m[:, None].to(tl.int64) * N + offs_n[None, :]
+        lock = lock_ptr + tl.program_id(0) * tl.num_programs(1) + tl.program_id(1)
+        tl.store(part + tl.program_id(2).to(tl.int64) * MN, acc, mask=mask)
+        tl.debug_barrier()  # every thread's partial is out before the tile's count goes up
+        if tl.atomic_add(lock, 1) == SPLIT_K - 1:  # (acq_rel: the other programs' partials are visible)
+            total = tl.zeros(acc.shape, dtype=tl.float32)
+            for s0 in range(0, SPLIT_K, 8):
+                for i in tl.static_range(8):
+                    split = mask & (s0 + i < SPLIT_K)
+                    total += tl.load(part + (s0 + i) * MN, mask=split, other=0.0, cache_modifier=".cg")
+            tl.store(c, total.to(c.dtype.element_ty), mask=mask)
+            tl.atomic_xchg(lock, 0)  # ready for the next launch
 
 
 GEMM_BLOCK_M = 64  # one tile height for every M: a row's sums never depend on how many rows there are
