@@ -639,6 +639,9 @@ def _gemm(a, sa, b, sb, M, N, rows=None, experts=None, scatter=False, out_dtype=
         c = torch.empty(M, N, device=a.device, dtype=out_dtype)
     if a.device not in _LOCKS:
         _LOCKS[a.device] = torch.zeros(GEMM_LOCKS, dtype=torch.int32, device=a.device)
+    b_desc = None
+    if config["B_TMA"]:  # the weight as rows of K (the experts' stacked one after another)
+        b_desc = TensorDescriptor.from_tensor(b.view(-1, K), [config["BLOCK_N"], 128])
     step = M if split == 1 else max(GEMM_BLOCK_M, GEMM_PARTIAL_BYTES // (split * N * 4))
     for m0 in range(0, M, step):  # rows are independent: a long prefill runs in parts of bounded memory
         m = min(step, M - m0)
@@ -653,9 +656,6 @@ def _gemm(a, sa, b, sb, M, N, rows=None, experts=None, scatter=False, out_dtype=
         out = c  # (the gathered and grouped GEMMs never run in parts: m0 = 0)
         if not scatter:
             out = c[m0 : m0 + m]
-        b_desc = None
-        if config["B_TMA"]:  # the weight as rows of K (the experts' stacked one after another)
-            b_desc = TensorDescriptor(b.view(-1, K), [b.numel() // K, K], [K, 1], [config["BLOCK_N"], 128])
         _gemm_kernel[grid](
             a[m0:],
             scales_a,
