@@ -12,6 +12,7 @@ commit 7ef31db; scaled_mm at fea361d; attention micro-benchmarks, checkpoint I/O
 import argparse
 import gc
 import json
+import math
 import os
 import statistics
 import sys
@@ -64,8 +65,9 @@ def hbm_bandwidth():
     return 2 * a.numel() / cuda_time(lambda: b.copy_(a), 2, 10) / 1e9
 
 
-def kernel_events(fn):
-    """The CUDA kernels of one call of fn (torch.profiler), totals per kernel name."""
+def kernel_events(fn, totals=True):
+    """The CUDA kernels of one call of fn (torch.profiler): totals per kernel name, or (totals=False) each
+    launch."""
     from torch.profiler import ProfilerActivity, profile
 
     fn()
@@ -73,7 +75,18 @@ def kernel_events(fn):
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         fn()
         torch.cuda.synchronize()
-    return [e for e in prof.key_averages() if e.device_type.name == "CUDA"]
+    events = prof.key_averages() if totals else prof.events()
+    return [e for e in events if e.device_type.name == "CUDA"]
+
+
+def busy_ms(launches):
+    """The time at least one kernel runs: the union of the launches' intervals (two streams overlap)."""
+    busy = 0.0
+    end = -math.inf
+    for e in sorted(launches, key=lambda e: e.time_range.start):
+        busy += max(0.0, e.time_range.end - max(e.time_range.start, end))
+        end = max(end, e.time_range.end)
+    return busy / 1e3
 
 
 def decode_batch(llm, bs, ctx, rounds, seed=0):
@@ -203,15 +216,15 @@ def profile_replay(fn, n_layers, top=12):
 
 def round_profile(llm, ctx, round_ms):
     """Kernels of one whole bs=1 decode round (graph replays and the engine's own work), per main-model layer
-    (the verify graph's share), and the GPU's idle fraction: 1 - kernel time / round time."""
+    (the verify graph's share), and the GPU's idle fraction: 1 - the time some kernel runs / round time."""
     reqs = decode_batch(llm, 1, ctx, 4)
-    ev = kernel_events(lambda: llm.runner.decode_round(reqs))
+    launches = kernel_events(lambda: llm.runner.decode_round(reqs), totals=False)
     verify = kernel_events(lambda: llm.runner.forward("verify", *verify_inputs(llm, reqs, ctx)))
     llm.pool.release(reqs[0])
-    busy_ms = sum(e.device_time_total for e in ev) / 1e3
+    busy = busy_ms(launches)
     per_layer = sum(e.count for e in verify) / llm.cfg.n_layers
-    res = dict(round_kernels=sum(e.count for e in ev), kernels_per_layer=per_layer, busy_ms=busy_ms)
-    res.update(round_ms=round_ms, idle=max(0.0, 1 - busy_ms / round_ms))
+    res = dict(round_kernels=len(launches), kernels_per_layer=per_layer, busy_ms=busy)
+    res.update(round_ms=round_ms, idle=max(0.0, 1 - busy / round_ms))
     print(f"bs=1 round: {res}", flush=True)
     return res
 

@@ -702,6 +702,15 @@ def top_indices(x, k):
     return x.sort(dim=-1, descending=True, stable=True).indices[..., :k]
 
 
+def side_by_side(first, second):
+    """(first(), second()) for two independent parts of a layer, which meet only after both are done (MLA's
+    queries and the indexer; the shared and the routed experts). The reference runs them one after the other;
+    the GPU runs second(), the longer chain, on a second stream of higher priority while first() runs, so
+    that one part's short, latency-bound kernels fill the SMs that the other leaves idle (SGLang overlaps
+    both pairs alike). The same kernels on the same inputs: the same bits either way."""
+    return first(), second()
+
+
 # ---- Forward metadata: one Meta per forward pass, shared by every layer; the per-layer cache view ----------
 def to_device(x: torch.Tensor, device) -> torch.Tensor:
     """Host -> device without waiting: a copy from pageable memory blocks the host until the GPU reaches
@@ -943,27 +952,35 @@ class MLA(nn.Module):
         ranks). Attention math runs in fp32 (fp64 on CPU, see acc_dtype) where the reference rounds
         intermediates to bf16: fused kernels keep fp32 too, and the per-head and absorbed forms become the
         same function."""
-        cfg, T = self.cfg, x.shape[0]
-        H, D, R, C = cfg.n_heads // tp_size(), cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.kv_lora_rank
+        cfg = self.cfg
+        R, C = cfg.qk_rope_head_dim, cfg.kv_lora_rank
         q_a, k_index, kv_a = self.wqkv_a(x).split([cfg.q_lora_rank, cfg.index_head_dim, C + R], -1)
         qr = self.q_norm(q_a)  # [T, q_lora]; shared with the indexer
-        q_nope, q_pe = self.wq_b(qr).view(T, H, D + R).split([D, R], -1)  # [T, H, D], [T, H, R]
-        q_pe = self.ops.rope(q_pe, cos, sin, interleaved=True)
         kv, k_pe = kv_a.split([C, R], -1)  # [T, C], [T, R]
         self.ops.store_latent(kv, k_pe, self.kv_norm.weight, self.kv_norm.eps, cos, sin, cache, meta.slots)
-        selected = self.indexer(x, qr, k_index, cos, sin, meta, cache)  # [T, K'] context positions, -1 = none
-        if selected is None:  # prompt chunks within top-k: dense causal attention, per head
-            o = self.attend_chunks(q_nope, q_pe, meta, cache)
-        else:  # every other row: sparse, absorbed
-            o = self.attend_sparse(q_nope, q_pe, selected, meta, cache)
+        sparse = not meta.dense(cfg.index_topk)  # prompt chunks within top-k attend densely, per head
+        # The queries and the indexer's selection [T, K'] (context positions, -1 = none; None when dense)
+        (q, q_pe), selected = self.ops.side_by_side(
+            lambda: self.queries(qr, cos, sin, absorbed=sparse),
+            lambda: self.indexer(x, qr, k_index, cos, sin, meta, cache),
+        )
+        if sparse:  # sparse attention over the selected latents; W_UV maps the result back to values
+            o_lat = self.ops.sparse_mla(q, q_pe, cache, selected, meta, cfg.softmax_scale)
+            o = self.ops.head_linear(o_lat, self.w_uv)  # [T, H, V]
+        else:
+            o = self.attend_chunks(q, q_pe, meta, cache)
         return self.wo(o.to(BF16).flatten(1))
 
-    def attend_sparse(self, q_nope, q_pe, selected, meta, cache):
-        """Absorbed form: q_nope moves into the latent space through W_UK, attention runs over the selected
-        latents, and W_UV maps the result back to per-head values: [T, H, V]."""
-        q_abs = self.ops.head_linear(q_nope, self.w_uk)  # absorb W_UK: [T, H, C]
-        o_lat = self.ops.sparse_mla(q_abs, q_pe, cache, selected, meta, self.cfg.softmax_scale)
-        return self.ops.head_linear(o_lat, self.w_uv)  # absorb W_UV: [T, H, V]
+    def queries(self, qr, cos, sin, absorbed):
+        """The query heads from the normed query latent qr [T, q_lora] -> (q_nope [T, H, D], q_pe [T, H, R]
+        rotated). absorbed: q_nope moved into the latent space through W_UK, [T, H, C] (the absorbed form)."""
+        cfg, T = self.cfg, qr.shape[0]
+        D, R = cfg.qk_nope_head_dim, cfg.qk_rope_head_dim
+        q_nope, q_pe = self.wq_b(qr).view(T, -1, D + R).split([D, R], -1)
+        q_pe = self.ops.rope(q_pe, cos, sin, interleaved=True)
+        if absorbed:
+            q_nope = self.ops.head_linear(q_nope, self.w_uk)  # absorb W_UK: [T, H, C]
+        return q_nope, q_pe
 
     def attend_chunks(self, q_nope, q_pe, meta, cache):
         """Each request's prompt chunk against its causal context, in the per-head form."""
@@ -1044,11 +1061,10 @@ class Gate(nn.Module):
         )
 
 
-def moe_experts(x, weights, idx, w13, s13, w2, s2, shared):
+def moe_experts(x, weights, idx, w13, s13, w2, s2):
     """The routed experts of a MoE layer (the reference of the grouped MoE kernel): each a SwiGLU MLP over
-    the tokens that chose it, summed with their routing weights in fp32, then the shared expert's output
-    `shared` [T, dim] fp32 added. x [T, dim] bf16; weights, idx [T, A]; w13 [E, 2I, dim] (w1 | w3 fused), w2
-    [E, dim, I] FP8 with their block scales -> [T, dim] fp32.
+    the tokens that chose it, summed with their routing weights in fp32. x [T, dim] bf16; weights, idx [T,
+    A]; w13 [E, 2I, dim] (w1 | w3 fused), w2 [E, dim, I] FP8 with their block scales -> [T, dim] fp32.
     Grouped as the kernel: the (token, choice) pairs sorted by expert, one GEMM per expert over its rows (a
     row is quantized alike in any group: act_quant works per row, so each is quantized once)."""
     T, A = idx.shape
@@ -1057,7 +1073,7 @@ def moe_experts(x, weights, idx, w13, s13, w2, s2, shared):
     pair = pair[idx.flatten()[pair] < len(w13)]  # idx E: another rank's, skipped
     y = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
     if len(pair) == 0:
-        return y + shared
+        return y
     experts, counts = idx.flatten()[pair].unique_consecutive(return_counts=True)
     groups = (experts.tolist(), counts.tolist())
     h = grouped_linear(act_dequant(*act_quant(x)).to(acc_dtype(x))[pair // A], w13, s13, *groups)  # [P, 2I]
@@ -1067,7 +1083,7 @@ def moe_experts(x, weights, idx, w13, s13, w2, s2, shared):
     each[pair] = out.float() * weights.gather(1, order).flatten()[pair, None]
     for a in range(A):
         y += each.view(T, A, -1)[:, a]
-    return y + shared
+    return y
 
 
 def grouped_linear(rows, w, scales, experts, counts):
@@ -1100,6 +1116,11 @@ class MoE(nn.Module):
         """-> this rank's part [T, dim], unrounded: its routed experts' weighted sum plus its slice of the
         shared expert (Block adds the parts, then rounds once; the reference rounds the shared expert's
         output to bf16 first)."""
+        shared, routed = self.ops.side_by_side(lambda: self.shared_experts(x), lambda: self.routed(x))
+        return routed + shared
+
+    def routed(self, x):
+        """The router's choice, then this rank's routed experts' weighted sum [T, dim] fp32."""
         weights, idx = self.gate(x)  # [T, A] each (replicated)
         w13, w2 = self.experts.w13, self.experts.w2
         if tp_size() > 1:
@@ -1107,8 +1128,7 @@ class MoE(nn.Module):
             first = tp_rank() * E  # this rank holds experts first .. first + E - 1
             mine = (idx >= first) & (idx < first + E)
             idx = torch.where(mine, idx - first, E)  # E: another rank's, skipped
-        shared = self.shared_experts(x)
-        return self.ops.moe(x, weights, idx, *w13.operands(), *w2.operands(), shared)  # routed + shared
+        return self.ops.moe(x, weights, idx, *w13.operands(), *w2.operands())
 
 
 # ---- Block, MTP layer, Transformer, KV cache (spec 3.10, 3.11) ---------------------------------------------
@@ -1260,7 +1280,8 @@ TORCH_OPS = SimpleNamespace(
     swiglu_linear=swiglu_linear,  # SwiGLU's activation, then fp8_linear       (MLP)
     dense_linear=dense_linear,  # bf16/fp32 weights: lm_head, weights_proj, eh_proj (Linear)
     route=route,  # the router after its product: group-limited top-k, weights (Gate)
-    moe=moe_experts,  # routed experts, grouped, weighted sum, + shared expert (MoE)
+    moe=moe_experts,  # routed experts, grouped, weighted sum                (MoE)
+    side_by_side=side_by_side,  # two independent parts of a layer: GPU, two streams (MLA, MoE)
     dequantize_fp8=True,  # FP8 weights dequantized once at load when small enough (DEQUANTIZE_AT_LOAD_BYTES)
     attn_dtype=acc_dtype,  # dtype of wkv_b's absorbed halves (exact: pow2-scaled FP8 fits bf16)
     dense_dtype=lambda w: w.dtype,  # dtype plain Linear weights are kept in (kernels: bf16, as stored)

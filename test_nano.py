@@ -1200,6 +1200,43 @@ def test_gpu_cuda_graphs_equal_eager(calm_dir, mtp):
 
 
 @gpu
+def test_gpu_side_by_side_equals_one_stream(calm_dir, monkeypatch):
+    """kernels.side_by_side (two streams; in a CUDA graph, two branches) gives the bits of the reference, one
+    part after the other: two split-K FP8 GEMMs run at once, eagerly and replayed from a graph, many times
+    (their tile counters must not collide), and an engine's logits (prefill, then decode rounds through CUDA
+    graphs at mtp 3) with kernels.py against kernels.py with the reference's side_by_side."""
+    import kernels
+
+    gen = torch.Generator("cuda").manual_seed(11)
+    w1, s1 = _random_fp8(7168, 16384, gen)  # o_proj's shape: split-K
+    w2, s2 = _random_fp8(4096, 7168, gen)  # the shared expert's w13: split-K
+    x1 = torch.randn(4, 16384, device="cuda", generator=gen).to(m.BF16)
+    x2 = torch.randn(4, 7168, device="cuda", generator=gen).to(m.BF16)
+    assert kernels.gemm_config(7168, 16384)["SPLIT_K"] > 1 and kernels.gemm_config(4096, 7168)["SPLIT_K"] > 1
+    want = (kernels.fp8_linear(x1, w1, s1), kernels.fp8_linear(x2, w2, s2))
+
+    def both():
+        return kernels.side_by_side(
+            lambda: kernels.fp8_linear(x1, w1, s1), lambda: kernels.fp8_linear(x2, w2, s2)
+        )
+
+    eager = [both() for _ in range(20)]
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = [both() for _ in range(10)]
+    for _ in range(3):
+        graph.replay()
+        torch.cuda.synchronize()
+        assert all(torch.equal(a, b) for pair in eager + captured for a, b in zip(pair, want, strict=True))
+    prompts = mixed_prompts(4)
+    streams = m.LLM(calm_dir, device="cuda", mtp=3).generate(prompts, max_new_tokens=12, return_logits=True)
+    monkeypatch.setattr(kernels.GPU_OPS, "side_by_side", m.side_by_side)
+    one = m.LLM(calm_dir, device="cuda", mtp=3).generate(prompts, max_new_tokens=12, return_logits=True)
+    for a, b in zip(streams, one, strict=True):
+        assert a.token_ids == b.token_ids and torch.equal(a.logits, b.logits)
+
+
+@gpu
 def test_gpu_engines_rebuilt_between_large_generates_capture_cleanly(calm_dir):
     """Engines built and dropped between large generate calls, with the cyclic garbage collector made to run
     on almost every allocation, and each dropped engine left in a reference cycle so that only the collector
@@ -1313,7 +1350,7 @@ def _batch_op(op, batch, gen):
         w = weight(256, 7168)
         x = rows(7168)
         return lambda n: kernels.dense_linear(x[:n], w)
-    if op in ("absorb_q", "absorb_o"):  # MLA.attend_sparse's W_UK / W_UV products
+    if op in ("absorb_q", "absorb_o"):  # MLA's absorbed W_UK / W_UV products
         w_uk = weight(128, 512, 128, scale=0.05)
         w_uv = weight(128, 128, 512, scale=0.05)
         if op == "absorb_q":
@@ -1331,8 +1368,7 @@ def _batch_op(op, batch, gen):
         x = rows(7168)
         idx = torch.rand(batch, 256, device="cuda", generator=gen).topk(8, -1).indices
         weights = torch.rand(batch, 8, device="cuda", generator=gen)
-        shared = torch.randn(batch, 7168, device="cuda", generator=gen) * 0.1
-        return lambda n: kernels.moe(x[:n], weights[:n], idx[:n], w13, s13, w2, s2, shared[:n])
+        return lambda n: kernels.moe(x[:n], weights[:n], idx[:n], w13, s13, w2, s2)
     ctx = 4096
     cache, table = _decode_rows(batch, ctx, cfg, gen)
 
@@ -2480,9 +2516,8 @@ def test_gpu_moe_kernel_matches_reference(experts_full, T, case):
         idx = torch.where(torch.rand(T, 8, generator=gen, device="cuda") < 0.3, 256, idx)
     weights = torch.rand(T, 8, generator=gen, device="cuda") + 0.1
     x = torch.randn(T, 7168, generator=gen, device="cuda").to(m.BF16)
-    shared = torch.randn(T, 7168, generator=gen, device="cuda") * 0.1  # the shared expert's output
-    got = kernels.moe(x, weights, idx, *experts_full, shared)
-    want = m.moe_experts(x, weights, idx, *experts_full, shared)
+    got = kernels.moe(x, weights, idx, *experts_full)
+    want = m.moe_experts(x, weights, idx, *experts_full)
     err = ((got - want).norm() / want.norm()).item()
     print(f"MoE T={T} {case}: {idx.unique().numel()} experts used, rel err {err:.2e}")
     assert err < 1e-2
