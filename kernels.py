@@ -790,9 +790,8 @@ def moe(x, weights, idx, w13, s13, w2, s2):
     expert into blocks of GEMM_BLOCK_M rows (each expert's rows padded to whole blocks, so a block reads one
     expert's weights: one launch, _moe_layout_kernel); one grouped FP8 GEMM for w1|w3, SwiGLU's activation
     with its act-quant, one grouped GEMM for w2, then each token's rows gathered back and summed in choice
-    order. Batch-invariant: one tile height and no split-K whatever the
-    number of pairs, no atomics. Expert parallel: idx E (another rank's expert) is sorted into blocks of
-    expert -1, which the GEMMs skip."""
+    order. Batch-invariant: one tile height and no split-K whatever the number of pairs, no atomics. Expert
+    parallel: idx E (another rank's expert) is sorted into blocks of expert -1, which the GEMMs skip."""
     T, A = idx.shape
     E, I2, dim = w13.shape
     token, live, pos, experts = moe_layout(idx, E)
