@@ -2167,8 +2167,8 @@ class Runner:
         self.accept_in_flight()
         meta, tokens = self.verify_rows(reqs)
         h, logits = self.forward("verify", tokens, meta)
+        settled = settle_greedy(tokens, logits, self.num_draft)
         logits = logits.view(len(reqs), self.rows_per_request, -1)
-        settled = settle_greedy(tokens, logits.flatten(0, 1), self.num_draft)
         emitted = self.accept(reqs, logits, settled.tolist())  # the round's one read-back
         live = [b for b, new in enumerate(emitted) if new]  # requests that go on
         if self.num_draft == 0 or not live:
