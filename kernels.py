@@ -594,7 +594,7 @@ GEMM_PROGRAMS = 256  # split-K aims at this many programs for one row tile (abou
 GEMM_SPLITS = 16  # at most: the tile's last program adds the partials one after another
 GEMM_PARTIAL_BYTES = 64 << 20  # bound on the split-K partials of one launch (long prefills run in parts)
 GEMM_LOCKS = 1 << 16  # split-K tile counters, zero between launches
-_LOCKS = {}  # (device, on side_by_side's second stream) -> the counters (made at the first, eager, call)
+_LOCKS = {}  # (device, stream depth: see side_by_side) -> the counters (made at the first, eager, call)
 
 
 def gemm_config(N, K, grouped=False, fp8=True):
@@ -640,7 +640,7 @@ def _gemm(a, sa, b, sb, M, N, rows=None, experts=None, scatter=False, out_dtype=
         c = torch.empty(a.shape[0], N, device=a.device, dtype=out_dtype)
     else:
         c = torch.empty(M, N, device=a.device, dtype=out_dtype)
-    locks = (a.device, torch.cuda.current_stream(a.device) == _SIDE_STREAMS.get(a.device))
+    locks = (a.device, stream_depth(a.device))
     if locks not in _LOCKS:  # two GEMMs running at once (side_by_side) count their tiles apart
         _LOCKS[locks] = torch.zeros(GEMM_LOCKS, dtype=torch.int32, device=a.device)
     b_desc = None
@@ -743,7 +743,8 @@ def _moe_layout_kernel(
     counts = tl.zeros([E_PAD], tl.int32)
     for p0 in range(0, P, BLOCK):
         p = p0 + tl.arange(0, BLOCK)
-        counts += tl.histogram(tl.load(idx_ptr + p, mask=p < P, other=0), E_PAD, mask=p < P)
+        e = tl.load(idx_ptr + p, mask=p < P, other=0).to(tl.int32)  # idx as the router wrote it: int64
+        counts += tl.histogram(e, E_PAD, mask=p < P)
     padded = (counts + BM - 1) // BM * BM
     pad_end = tl.cumsum(padded, 0)  # expert e's rows: [pad_end[e] - padded[e], pad_end[e])
     for b0 in range(0, n_blocks, BLOCK):
@@ -758,7 +759,7 @@ def _moe_layout_kernel(
     placed = pad_end - padded  # the next free row of each expert
     for p0 in range(0, P, BLOCK):
         p = p0 + tl.arange(0, BLOCK)
-        e = tl.load(idx_ptr + p, mask=p < P, other=E_PAD)
+        e = tl.load(idx_ptr + p, mask=p < P, other=E_PAD).to(tl.int32)
         mine = e[:, None] == bins[None, :]  # [BLOCK, E_PAD] one-hot
         earlier = (e[:, None] == e[None, :]) & (p[None, :] < p[:, None])  # same expert, before in this block
         row = tl.sum(tl.where(mine, placed[None, :], 0), 1) + tl.sum(earlier.to(tl.int32), 1)
@@ -779,7 +780,7 @@ def moe_layout(idx, E):
     live = torch.empty_like(token)
     pos = torch.empty(P, dtype=torch.int64, device=idx.device)
     experts = torch.empty(n_blocks, dtype=torch.int32, device=idx.device)
-    layout = (idx.flatten().to(torch.int32), token, live, pos, experts, P, len(token), n_blocks)
+    layout = (idx.contiguous(), token, live, pos, experts, P, len(token), n_blocks)
     E_PAD = triton.next_power_of_2(E + 1)
     _moe_layout_kernel[(1,)](*layout, A=A, E=E, E_PAD=E_PAD, BM=bm, BLOCK=32, num_warps=4)
     return token, live, pos, experts
@@ -1273,21 +1274,31 @@ def store_index_key(k, norm_weight, norm_bias, eps, cos, sin, cache, slots):
 # ------------------------------------------------------------------------------------------------------------
 # Two streams: independent parts of a layer run side by side
 # ------------------------------------------------------------------------------------------------------------
-_SIDE_STREAMS = {}  # device -> side_by_side's second stream
+_SIDE_STREAMS = {}  # device -> side_by_side's second streams: a part on the k-th forks onto the k+1-th
+
+
+def stream_depth(device):
+    """0 on the stream the engine runs on (or captures on); k on side_by_side's k-th second stream."""
+    current = torch.cuda.current_stream(device)
+    streams = _SIDE_STREAMS.get(device, [])
+    return next((k + 1 for k, s in enumerate(streams) if s == current), 0)
 
 
 def side_by_side(first, second):
-    """Kernel of nano_nsa.side_by_side: second() on the device's second stream while first() runs on the
-    current one, which then waits for it (captured in a CUDA graph: two branches that join). The second
-    stream has the higher priority: the GPU schedules second()'s blocks first, so second() should be the
-    longer chain (the indexer: 43 us against the queries' 27 us in a bs=1 layer of the 671B shapes; the routed
-    experts: 119 us against the shared expert's 25). Both parts read only tensors that their caller holds
-    until the join, so neither stream frees what the other reads; split-K GEMMs on the two streams count
-    their tiles in separate arrays (_LOCKS)."""
+    """Kernel of nano_nsa.side_by_side: second() on a second stream while first() runs on the current one,
+    which then waits for it (captured in a CUDA graph: two branches that join). The second stream has the
+    higher priority: the GPU schedules second()'s blocks first, so second() should be the longer chain (the
+    indexer: 43 us against the queries' 27 us in a bs=1 layer of the 671B shapes; the routed experts: 119 us
+    against the shared expert's 25). A part may fork again (the indexer's query path beside its head
+    weights): each depth has a stream of its own. Both parts read only tensors that their caller holds until
+    the join, so neither stream frees what the other reads; split-K GEMMs on different streams count their
+    tiles in separate arrays (_LOCKS)."""
     main = torch.cuda.current_stream()
-    if main.device not in _SIDE_STREAMS:
-        _SIDE_STREAMS[main.device] = torch.cuda.Stream(main.device, priority=-1)
-    side = _SIDE_STREAMS[main.device]
+    streams = _SIDE_STREAMS.setdefault(main.device, [])
+    depth = stream_depth(main.device)
+    if depth == len(streams):
+        streams.append(torch.cuda.Stream(main.device, priority=-1))
+    side = streams[depth]
     side.wait_stream(main)
     with torch.cuda.stream(side):
         second_out = second()

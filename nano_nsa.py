@@ -704,10 +704,11 @@ def top_indices(x, k):
 
 def side_by_side(first, second):
     """(first(), second()) for two independent parts of a layer, which meet only after both are done (MLA's
-    queries and the indexer; the shared and the routed experts). The reference runs them one after the other;
-    the GPU runs second(), the longer chain, on a second stream of higher priority while first() runs, so
-    that one part's short, latency-bound kernels fill the SMs that the other leaves idle (SGLang overlaps
-    both pairs alike). The same kernels on the same inputs: the same bits either way."""
+    queries and the indexer, and inside the indexer its head weights and its queries; the shared and the
+    routed experts). The reference runs them one after the other; the GPU runs second(), the longer chain, on
+    a second stream of higher priority while first() runs, so that one part's short, latency-bound kernels
+    fill the SMs that the other leaves idle (SGLang overlaps the first and the last pair alike). The same
+    kernels on the same inputs: the same bits either way."""
     return first(), second()
 
 
@@ -861,7 +862,7 @@ class Indexer(nn.Module):
         """x [T, dim], qr [T, q_lora] (MLA's normed query latent), k [T, J] (x's key projection, wk) -> [T,
         min(K, N)] selected context positions per row (-1 = none), or None for a dense prompt chunk. Writes
         this pass's keys first, so every row can select its own token."""
-        cfg, T = self.cfg, x.shape[0]
+        cfg = self.cfg
         norm = self.k_norm
         self.ops.store_index_key(k, norm.weight, norm.bias, norm.eps, cos, sin, cache, meta.slots)
         if meta.dense(cfg.index_topk):  # the whole context is selected: only the keys are needed
@@ -869,11 +870,20 @@ class Indexer(nn.Module):
         if meta.max_ctx <= cfg.index_topk:  # every row selects its whole context (SGLang skips too)
             n = torch.arange(meta.max_ctx, device=x.device)
             return torch.where(n < meta.ctx_lens[:, None], n, -1)
-        q = self.wq_b(qr).view(T, cfg.index_n_heads, cfg.index_head_dim)
-        q8, qs = self.ops.index_quant(q, cos, sin)  # [T, I, J] fp8, [T, I, 1]
         scale = cfg.index_n_heads**-0.5 * cfg.index_head_dim**-0.5
-        head_weights = self.weights_proj(x) * scale * qs[..., 0]  # [T, I]
+        # the head weights, from x, beside the queries' longer chain, from qr
+        weights, (q8, qs) = self.ops.side_by_side(
+            lambda: self.weights_proj(x) * scale,
+            lambda: self.queries(qr, cos, sin),
+        )
+        head_weights = weights * qs[..., 0]  # [T, I]: the query's FP8 scale folded in
         return self.ops.index_topk(q8, head_weights, cache, meta, cfg.index_topk)
+
+    def queries(self, qr, cos, sin):
+        """The indexer's query heads from MLA's normed query latent qr [T, q_lora] -> (q8 [T, I, J] fp8, their
+        scales [T, I, 1])."""
+        q = self.wq_b(qr).view(qr.shape[0], self.cfg.index_n_heads, self.cfg.index_head_dim)
+        return self.ops.index_quant(q, cos, sin)
 
 
 # ---- MLA: multi-head latent attention over the indexer's selection (spec 3.6, 3.8) -------------------------
@@ -957,11 +967,16 @@ class MLA(nn.Module):
         q_a, k_index, kv_a = self.wqkv_a(x).split([cfg.q_lora_rank, cfg.index_head_dim, C + R], -1)
         qr = self.q_norm(q_a)  # [T, q_lora]; shared with the indexer
         kv, k_pe = kv_a.split([C, R], -1)  # [T, C], [T, R]
-        self.ops.store_latent(kv, k_pe, self.kv_norm.weight, self.kv_norm.eps, cos, sin, cache, meta.slots)
         sparse = not meta.dense(cfg.index_topk)  # prompt chunks within top-k attend densely, per head
-        # The queries and the indexer's selection [T, K'] (context positions, -1 = none; None when dense)
+
+        def latents_then_queries():  # attention reads this pass's latents from the cache after the join
+            norm = self.kv_norm
+            self.ops.store_latent(kv, k_pe, norm.weight, norm.eps, cos, sin, cache, meta.slots)
+            return self.queries(qr, cos, sin, absorbed=sparse)
+
+        # The queries beside the indexer's selection [T, K'] (context positions, -1 = none; None when dense)
         (q, q_pe), selected = self.ops.side_by_side(
-            lambda: self.queries(qr, cos, sin, absorbed=sparse),
+            latents_then_queries,
             lambda: self.indexer(x, qr, k_index, cos, sin, meta, cache),
         )
         if sparse:  # sparse attention over the selected latents; W_UV maps the result back to values

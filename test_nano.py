@@ -1202,32 +1202,34 @@ def test_gpu_cuda_graphs_equal_eager(calm_dir, mtp):
 @gpu
 def test_gpu_side_by_side_equals_one_stream(calm_dir, monkeypatch):
     """kernels.side_by_side (two streams; in a CUDA graph, two branches) gives the bits of the reference, one
-    part after the other: two split-K FP8 GEMMs run at once, eagerly and replayed from a graph, many times
-    (their tile counters must not collide), and an engine's logits (prefill, then decode rounds through CUDA
-    graphs at mtp 3) with kernels.py against kernels.py with the reference's side_by_side."""
+    part after the other: three split-K FP8 GEMMs run at once, the second part forking again (three streams),
+    eagerly and replayed from a graph, many times (their tile counters must not collide), and an engine's
+    logits (prefill, then decode rounds through CUDA graphs at mtp 3) with kernels.py against kernels.py with
+    the reference's side_by_side."""
     import kernels
 
     gen = torch.Generator("cuda").manual_seed(11)
-    w1, s1 = _random_fp8(7168, 16384, gen)  # o_proj's shape: split-K
-    w2, s2 = _random_fp8(4096, 7168, gen)  # the shared expert's w13: split-K
-    x1 = torch.randn(4, 16384, device="cuda", generator=gen).to(m.BF16)
-    x2 = torch.randn(4, 7168, device="cuda", generator=gen).to(m.BF16)
-    assert kernels.gemm_config(7168, 16384)["SPLIT_K"] > 1 and kernels.gemm_config(4096, 7168)["SPLIT_K"] > 1
-    want = (kernels.fp8_linear(x1, w1, s1), kernels.fp8_linear(x2, w2, s2))
+    shapes = [(7168, 16384), (4096, 7168), (2240, 7168)]  # o_proj, the shared expert's w13, wqkv_a: split-K
+    weights = [_random_fp8(n, k, gen) for n, k in shapes]
+    xs = [torch.randn(4, k, device="cuda", generator=gen).to(m.BF16) for _, k in shapes]
+    assert all(kernels.gemm_config(n, k)["SPLIT_K"] > 1 for n, k in shapes)
+    linears = [lambda i=i: kernels.fp8_linear(xs[i], *weights[i]) for i in range(3)]
+    want = [f() for f in linears]
 
-    def both():
-        return kernels.side_by_side(
-            lambda: kernels.fp8_linear(x1, w1, s1), lambda: kernels.fp8_linear(x2, w2, s2)
+    def all_three():
+        first, (second, third) = kernels.side_by_side(
+            linears[0], lambda: kernels.side_by_side(linears[1], linears[2])
         )
+        return first, second, third
 
-    eager = [both() for _ in range(20)]
+    eager = [all_three() for _ in range(20)]
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        captured = [both() for _ in range(10)]
+        captured = [all_three() for _ in range(10)]
     for _ in range(3):
         graph.replay()
         torch.cuda.synchronize()
-        assert all(torch.equal(a, b) for pair in eager + captured for a, b in zip(pair, want, strict=True))
+        assert all(torch.equal(a, b) for out in eager + captured for a, b in zip(out, want, strict=True))
     prompts = mixed_prompts(4)
     streams = m.LLM(calm_dir, device="cuda", mtp=3).generate(prompts, max_new_tokens=12, return_logits=True)
     monkeypatch.setattr(kernels.GPU_OPS, "side_by_side", m.side_by_side)
