@@ -1272,7 +1272,7 @@ def store_index_key(k, norm_weight, norm_bias, eps, cos, sin, cache, slots):
 
 
 # ------------------------------------------------------------------------------------------------------------
-# Two streams: independent parts of a layer run side by side
+# Streams: independent parts of a layer run side by side
 # ------------------------------------------------------------------------------------------------------------
 _SIDE_STREAMS = {}  # device -> side_by_side's second streams: a part on the k-th forks onto the k+1-th
 

@@ -1201,7 +1201,7 @@ def test_gpu_cuda_graphs_equal_eager(calm_dir, mtp):
 
 @gpu
 def test_gpu_side_by_side_equals_one_stream(calm_dir, monkeypatch):
-    """kernels.side_by_side (two streams; in a CUDA graph, two branches) gives the bits of the reference, one
+    """kernels.side_by_side (streams; in a CUDA graph, branches) gives the bits of the reference, one
     part after the other: three split-K FP8 GEMMs run at once, the second part forking again (three streams),
     eagerly and replayed from a graph, many times (their tile counters must not collide), and an engine's
     logits (prefill, then decode rounds through CUDA graphs at mtp 3) with kernels.py against kernels.py with
