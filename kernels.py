@@ -59,7 +59,9 @@ def unsupported(device: torch.device):
 @triton.jit
 def _index_keys_kernel(
     q_ptr,
+    qs_ptr,
     w_ptr,
+    scale,
     k_ptr,
     ks_ptr,
     table_ptr,
@@ -74,7 +76,8 @@ def _index_keys_kernel(
     BLOCK_N: tl.constexpr,
 ):
     """One (row t, block of context positions n): score = ks[n] * sum_h w[t, h] * relu(q8[t, h] . k8[n]),
-    written as a sortable int64 key: the score's bits made monotone in the high word, (2^31 - 1 - n) in the
+    w[t, h] = weights[t, h] * scale * qs[t, h] (nano_nsa.head_weights, in its order), written as a sortable
+    int64 key: the score's bits made monotone in the high word, (2^31 - 1 - n) in the
     low word, so top-k breaks exact ties towards the earliest position as the reference does. Positions
     n >= ctx[t] (the causal mask) get the smallest key. H: the indexer's heads, H_PAD: H padded to a
     tensor-core tile (>= 16)."""
@@ -92,7 +95,8 @@ def _index_keys_kernel(
         )
         k = tl.load(k_ptr + slot[:, None] * J + j[None, :], mask=keep[:, None], other=0.0)  # [BLOCK_N, J] fp8
         logits = tl.dot(q, tl.trans(k))  # [H_PAD, BLOCK_N] fp32
-        w = tl.load(w_ptr + t * H + h, mask=h < H, other=0.0)
+        w = tl.load(w_ptr + t * H + h, mask=h < H, other=0.0) * scale
+        w = w * tl.load(qs_ptr + t * H + h, mask=h < H, other=0.0)
         s = tl.sum(tl.maximum(logits, 0.0) * w[:, None], 0) * tl.load(ks_ptr + slot, mask=keep, other=0.0)
         b = s.to(tl.int32, bitcast=True)
         b = tl.where(s == 0.0, 0, b)  # -0.0 == +0.0
@@ -127,16 +131,19 @@ def _rank_select_kernel(keys_ptr, ctx_ptr, out_ptr, N, width, BLOCK_I: tl.conste
 RANK_SELECT_PAIRS = 1 << 28  # rows x N^2 key comparisons up to which the rank kernel replaces torch.topk
 
 
-def index_topk(q8, head_weights, cache, meta, topk):
+def index_topk(q8, qs, weights, scale, cache, meta, topk):
     """Kernel of nano_nsa.index_topk: rows flattened over (request x draft position), each scoring only the
-    keys below its own causal length, through its request's page-table row; then top-min(topk, N) per row."""
+    keys below its own causal length, through its request's page-table row (the heads' weights made in the
+    score kernel); then top-min(topk, N) per row."""
     T, H, J = q8.shape
     N = meta.max_ctx
     keys = torch.empty(T, N, dtype=torch.int64, device=q8.device)
     BLOCK_N = 64
     _index_keys_kernel[(T, triton.cdiv(N, BLOCK_N))](
         q8.contiguous(),
-        head_weights.float().contiguous(),
+        qs.float().contiguous(),
+        weights.float().contiguous(),
+        scale,
         cache.ik,
         cache.iks,
         meta.table,
@@ -609,8 +616,10 @@ def gemm_config(N, K, grouped=False, fp8=True):
       128 KB of fp32 partials per row, and no split for a short K (16 blocks or fewer: the partial sum would
       cost more than it saves); 128-wide tiles for a very long K (o_proj, the dense MLP's w2), 16-wide ones
       for 256 columns or fewer (the router 7.9 -> 6.4 us, weights_proj 7.5 -> 5.6 us at one row).
-    - An FP8 weight that each program walks for 16 k blocks or more arrives by TMA, 4 tiles in flight (plain
-      loads measured faster for bf16 weights and for short walks).
+    - An FP8 weight arrives by TMA, 4 tiles in flight, when each program walks it for 16 k blocks or more
+      (grouped) or 32 or more (otherwise: the shared expert's w2, 16 blocks, is 1.3 us faster with plain
+      loads); plain loads measured faster for bf16 weights and for short walks. A long unsplit walk (the
+      dense MLP's w1|w3) runs 128-wide tiles 3 deep: 72 -> 64 us at one row, 79 -> 68 us at 64 rows.
     Of these choices only split-K changes a bit: it orders the sums."""
     k_blocks = K // 128
     long_rows = grouped and k_blocks >= 8
@@ -622,10 +631,14 @@ def gemm_config(N, K, grouped=False, fp8=True):
     split = 1
     if not grouped and k_blocks > 16:
         split = max(1, min(GEMM_SPLITS, k_blocks, GEMM_PROGRAMS // triton.cdiv(N, block_n), 32768 // N))
-    tma = fp8 and k_blocks // split >= 16
+    walk = k_blocks // split
+    tma = fp8 and (walk >= 32 or (grouped and walk >= 16))
     stages = 3
     if tma or long_rows:
         stages = 4
+    if fp8 and not grouped and split == 1 and walk >= 32:
+        block_n = 128
+        stages = 3
     return dict(BLOCK_N=block_n, SPLIT_K=split, B_TMA=tma, num_warps=4, num_stages=stages)
 
 
@@ -637,6 +650,7 @@ def _gemm(a, sa, b, sb, M, N, rows=None, experts=None, scatter=False, out_dtype=
     K = b.shape[-1]
     config = gemm_config(N, K, grouped=experts is not None, fp8=sb is not None)
     config["B_TMA"] &= b.is_contiguous()
+    assert 128 % config["BLOCK_N"] == 0  # a tile reads one row of weight-block scales (_gemm_k_block)
     split = config["SPLIT_K"]
     if scatter:
         c = torch.empty(a.shape[0], N, device=a.device, dtype=out_dtype)
