@@ -631,6 +631,8 @@ class Embedding(nn.Module):
         self.weight = param(vocab // tp_size(), dim, dtype=BF16)
 
     def forward(self, tokens):
+        if tp_size() == 1:  # (one lookup: the masking below costs five kernels per pass)
+            return F.embedding(tokens, self.weight)
         rows = self.weight.shape[0]
         local = tokens - tp_rank() * rows
         mine = (local >= 0) & (local < rows)
@@ -816,7 +818,8 @@ def store_index_key(k, norm_weight, norm_bias, eps, cos, sin, cache: LayerCache,
 
 def index_scores(q8, head_weights, k8, ks):
     """I[t, n] = ks[n] * sum_h w[t, h] * relu(q8[t, h] . k8[n]), fp32 (the reference `fp8_index`). q8 [T,
-    I, J] fp8; head_weights w [T, I] fp32 (the q scale folded in); k8 [T or 1, N, J]; ks [T or 1, N]."""
+    I, J] fp8; head_weights w [T, I] fp32 (the q scale folded in: head_weights); k8 [T or 1, N, J]; ks [T or
+    1, N]."""
     acc = acc_dtype(q8)
     logits = torch.matmul(q8.to(acc), k8.to(acc).transpose(-1, -2))  # [T, I, N] fp8 products, exact sums
     return ((logits.relu() * head_weights[..., None]).sum(1) * ks).float()  # [T, N] fp32
@@ -833,15 +836,23 @@ def topk_positions(scores, ctx_lens, topk):
     return torch.where(idx < ctx_lens[:, None], idx, -1)
 
 
-def index_topk(q8, head_weights, cache: LayerCache, meta: Meta, topk):
+def head_weights(weights, scale, qs):
+    """Each query head's weight in the indexer's score: weights_proj's output [T, I] times the constant
+    `scale` and the head's FP8 query scale qs [T, I, 1] -> [T, I]."""
+    return weights * scale * qs[..., 0]
+
+
+def index_topk(q8, qs, weights, scale, cache: LayerCache, meta: Meta, topk):
     """Reference of the lightning-indexer kernel: score each row's causal context against the cached FP8 keys
-    and keep its top-min(topk, N) positions [T, min(topk, N)] (-1 = none; N = the longest row context). The
-    rows of one request (a prompt chunk, a verify row and its drafts) share its keys: gathered once."""
+    (q8 [T, I, J] with its scales qs, the heads weighted by head_weights(weights, scale, qs)) and keep its
+    top-min(topk, N) positions [T, min(topk, N)] (-1 = none; N = the longest row context). The rows of one
+    request (a prompt chunk, a verify row and its drafts) share its keys: gathered once."""
+    w = head_weights(weights, scale, qs)
     out = []
     width = min(topk, meta.max_ctx)
     for b, rows in enumerate(meta.request_rows()):
         ctx = meta.table[b, : int(meta.ctx_host[rows].max())]  # [N] slots
-        scores = index_scores(q8[rows], head_weights[rows], cache.ik[ctx][None], cache.iks[ctx][None])
+        scores = index_scores(q8[rows], w[rows], cache.ik[ctx][None], cache.iks[ctx][None])
         selected = topk_positions(scores, meta.ctx_lens[rows], topk)
         out.append(F.pad(selected, (0, width - selected.shape[1]), value=-1))
     return torch.cat(out)
@@ -870,14 +881,13 @@ class Indexer(nn.Module):
         if meta.max_ctx <= cfg.index_topk:  # every row selects its whole context (SGLang skips too)
             n = torch.arange(meta.max_ctx, device=x.device)
             return torch.where(n < meta.ctx_lens[:, None], n, -1)
-        scale = cfg.index_n_heads**-0.5 * cfg.index_head_dim**-0.5
-        # the head weights, from x, beside the queries' longer chain, from qr
+        # the heads' weights, from x, beside the queries' longer chain, from qr
         weights, (q8, qs) = self.ops.side_by_side(
-            lambda: self.weights_proj(x) * scale,
+            lambda: self.weights_proj(x),
             lambda: self.queries(qr, cos, sin),
         )
-        head_weights = weights * qs[..., 0]  # [T, I]: the query's FP8 scale folded in
-        return self.ops.index_topk(q8, head_weights, cache, meta, cfg.index_topk)
+        scale = cfg.index_n_heads**-0.5 * cfg.index_head_dim**-0.5  # (applied by index_topk: head_weights)
+        return self.ops.index_topk(q8, qs, weights, scale, cache, meta, cfg.index_topk)
 
     def queries(self, qr, cos, sin):
         """The indexer's query heads from MLA's normed query latent qr [T, q_lora] -> (q8 [T, I, J] fp8, their

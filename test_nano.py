@@ -1379,8 +1379,11 @@ def _batch_op(op, batch, gen):
 
     if op == "index_topk":
         q8 = (torch.randn(batch, 64, 128, device="cuda", generator=gen) * 4).to(m.FP8)
-        head_weights = torch.rand(batch, 64, device="cuda", generator=gen)
-        return lambda n: kernels.index_topk(q8[:n], head_weights[:n], cache, meta_for(n), 1024).float()
+        qs = 2.0 ** torch.randint(-8, -2, (batch, 64, 1), device="cuda", generator=gen).float()
+        weights = torch.rand(batch, 64, device="cuda", generator=gen)
+        return lambda n: kernels.index_topk(
+            q8[:n], qs[:n], weights[:n], 0.011, cache, meta_for(n), 1024
+        ).float()
     q_abs = rows(128, 512)
     q_pe = rows(128, 64)
     chosen = torch.rand(batch, ctx, device="cuda", generator=gen).topk(2048, -1).indices
@@ -1698,13 +1701,15 @@ def test_gpu_indexer_kernel_matches_reference(B, rows, ctx, heads, K):
     )
     T = B * rows
     q8 = _rand_fp8(T, heads, 128, gen=gen)
-    w = torch.randn(T, heads, generator=gen, device="cuda") * 0.01
-    got, want = kernels.index_topk(q8, w, cache, meta, K), m.index_topk(q8, w, cache, meta, K)
+    qs = 2.0 ** torch.randint(-8, -2, (T, heads, 1), generator=gen, device="cuda").float()
+    weights = torch.randn(T, heads, generator=gen, device="cuda")
+    scale = heads**-0.5 * 128**-0.5
+    got = kernels.index_topk(q8, qs, weights, scale, cache, meta, K)
+    want = m.index_topk(q8, qs, weights, scale, cache, meta, K)
     assert got.shape == want.shape
     ctx_rows = meta.table[meta.row_req, : meta.max_ctx]
-    exact = m.index_scores(
-        q8.cpu(), w.cpu().double(), cache.ik[ctx_rows].cpu(), cache.iks[ctx_rows].cpu().double()
-    )
+    w = m.head_weights(weights, scale, qs).cpu().double()
+    exact = m.index_scores(q8.cpu(), w, cache.ik[ctx_rows].cpu(), cache.iks[ctx_rows].cpu().double())
     mismatched = 0
     for t in range(T):
         g, r = set(got[t].tolist()) - {-1}, set(want[t].tolist()) - {-1}
@@ -1738,11 +1743,12 @@ def test_gpu_rank_select_equals_topk(B, rows, ctx, monkeypatch):
     T = B * rows
     q8 = _rand_fp8(T, 64, 128, gen=gen)
     q8[:, ::3] = 0
-    w = torch.randn(T, 64, generator=gen, device="cuda") * 0.01
+    qs = 2.0 ** torch.randint(-8, -2, (T, 64, 1), generator=gen, device="cuda").float()
+    w = torch.randn(T, 64, generator=gen, device="cuda")
     assert T * meta.max_ctx**2 <= kernels.RANK_SELECT_PAIRS
-    ranked = kernels.index_topk(q8, w, cache, meta, 2048)
+    ranked = kernels.index_topk(q8, qs, w, 0.011, cache, meta, 2048)
     monkeypatch.setattr(kernels, "RANK_SELECT_PAIRS", 0)
-    assert torch.equal(ranked, kernels.index_topk(q8, w, cache, meta, 2048))
+    assert torch.equal(ranked, kernels.index_topk(q8, qs, w, 0.011, cache, meta, 2048))
 
 
 def _sparse_case(B, rows, ctx, gen, K=2048, H=128, C=512):
