@@ -555,7 +555,7 @@ def _gemm_k_block(acc, a, sa, b, sb, valid_m, kb, SCALED: tl.constexpr):
     """acc plus the k block kb's product of the A tile a and the B tile b, times its two scales when SCALED:
     each row's sa[kb] and the tile's weight-block scale sb[kb]. sa is a power of two (act_quant's), so
     product * (sa * sb) rounds once, as (product * sa) * sb does: the same bits with one multiply per
-    element (the single-scale loop runs about 1.4x faster than one with a scale per row and per column)."""
+    element (one program's 56-block walk at one row: 23.3 -> 18.0 us; docs/performance.md, ninth pass)."""
     if SCALED:
         sa = tl.load(sa + kb, mask=valid_m, other=0.0)
         sb = tl.load(sb + kb)
