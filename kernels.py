@@ -77,10 +77,9 @@ def _index_keys_kernel(
 ):
     """One (row t, block of context positions n): score = ks[n] * sum_h w[t, h] * relu(q8[t, h] . k8[n]),
     w[t, h] = weights[t, h] * scale * qs[t, h] (nano_nsa.head_weights, in its order), written as a sortable
-    int64 key: the score's bits made monotone in the high word, (2^31 - 1 - n) in the
-    low word, so top-k breaks exact ties towards the earliest position as the reference does. Positions
-    n >= ctx[t] (the causal mask) get the smallest key. H: the indexer's heads, H_PAD: H padded to a
-    tensor-core tile (>= 16)."""
+    int64 key: the score's bits made monotone in the high word, (2^31 - 1 - n) in the low word, so top-k
+    breaks exact ties towards the earliest position as the reference does. Positions n >= ctx[t] (the causal
+    mask) get the smallest key. H: the indexer's heads, H_PAD: H padded to a tensor-core tile (>= 16)."""
     t, nb = tl.program_id(0), tl.program_id(1)
     ctx = tl.load(ctx_ptr + t)
     n = nb * BLOCK_N + tl.arange(0, BLOCK_N)

@@ -1002,7 +1002,7 @@ class MLA(nn.Module):
         cfg, T = self.cfg, qr.shape[0]
         D, R = cfg.qk_nope_head_dim, cfg.qk_rope_head_dim
         q_nope, q_pe = self.wq_b(qr).view(T, -1, D + R).split([D, R], -1)
-        if absorbed:  # (first: on a GPU the indexer's selection, beside, waits for the longer of the two)
+        if absorbed:  # (before the rope: on a GPU W_UK then ends before the indexer's rank kernel starts)
             q_nope = self.ops.head_linear(q_nope, self.w_uk)  # absorb W_UK: [T, H, C]
         q_pe = self.ops.rope(q_pe, cos, sin, interleaved=True)
         return q_nope, q_pe
