@@ -635,7 +635,7 @@ def gemm_config(N, K, grouped=False, fp8=True):
     stages = 3
     if tma or long_rows:
         stages = 4
-    if fp8 and not grouped and split == 1 and walk >= 32:
+    if fp8 and not grouped and split == 1 and walk >= 32:  # (the split was 1 at 64 wide: it stays 1 at 128)
         block_n = 128
         stages = 3
     return dict(BLOCK_N=block_n, SPLIT_K=split, B_TMA=tma, num_warps=4, num_stages=stages)
