@@ -1,12 +1,14 @@
 """nano-nsa: DeepSeek-V3.2 inference in one readable file.
 
-Read it top to bottom. Part 1 is the model: Config -> the checkpoint format -> building blocks (FP8 linear,
-norms, YaRN RoPE, Hadamard) -> forward metadata -> the lightning indexer -> MLA -> MoE -> Block, MTP layer,
-Transformer, KV cache -> the kernel boundary -> tensor parallelism -> the loader. It computes what DeepSeek's
-official `inference/model.py` computes (../shared/docs/dsv32_spec.md is the specification); where it
-deliberately differs, a comment says why. Part 2 is the engine: tokenizer and chat encoding -> sampling and
-speculative acceptance -> requests -> the KV page pool -> the scheduler -> the runner (the prefill step and
-the speculative round: verify, accept, draft-extend, draft) -> CUDA graphs -> `LLM.generate` -> the CLI.
+Read it top to bottom. Part 1 is the model: Config -> building blocks (the FP8 block format, norms, YaRN RoPE,
+Hadamard) -> forward metadata -> the lightning indexer -> MLA -> MoE -> Block, MTP layer, Transformer, KV cache
+-> the kernel boundary -> tensor parallelism -> the loader. It computes what DeepSeek's official
+`inference/model.py` computes (../shared/docs/dsv32_spec.md is the specification); where it deliberately
+differs, a comment says why. Part 2 is the engine: chat encoding -> sampling and speculative acceptance ->
+requests -> the KV page pool -> the scheduler -> the speculative round (verify, accept, draft-extend, draft) ->
+the runner -> CUDA graphs -> `LLM.generate` -> `main`. What a reader can skip lives beside this file: the
+checkpoint format and its checks (hf_checkpoint.py), the checks of user arguments (checks.py), the command
+line (cli.py), and the GPU kernels behind the same names as the references here (kernels.py).
 
 Dimension legend used in shape comments:
   T tokens (rows) in the forward pass   B requests in the batch   N context positions of a request
@@ -17,17 +19,13 @@ Dimension legend used in shape comments:
 
 from __future__ import annotations
 
-import argparse
 import gc
-import json
 import math
 import os
-import re
 import sys
 import time
 from dataclasses import dataclass, field, fields, replace
 from itertools import accumulate
-from numbers import Integral, Real
 from types import SimpleNamespace
 
 import torch
@@ -35,62 +33,23 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
+import checks
+import cli
+import hf_checkpoint
+from checks import require
+
 BLOCK = 128  # FP8 block size: 128x128 weight blocks, 1x128 activation groups
 FP8 = torch.float8_e4m3fn
 FP8_MAX = 448.0
 BF16 = torch.bfloat16
 
 
-# ---- Errors: every fault in a user value or a model file is one ValueError line (CLI: printed, exit 1) ---
-def require(ok, message):
-    if not ok:
-        raise ValueError(message)
-
-
-def is_number(value, integer=False):
-    """A finite number (not nan, inf, or beyond the float range), never a bool."""
-    kind = Integral if integer else Real
-    return isinstance(value, kind) and not isinstance(value, bool) and abs(value) <= sys.float_info.max
-
-
-def check_arg(name, value, kind, low=None, high=None, open_low=False):
-    """A `kind` value (int, float: finite, or bool) in [low, high] ((low, high] if open_low), else a
-    ValueError."""
-    what = {int: "an integer", float: "a finite number", bool: "True or False"}[kind]
-    if kind is bool:
-        ok = isinstance(value, bool)
-    else:
-        ok = is_number(value, integer=kind is int)
-    require(ok, f"{name} must be {what} (got {value!r:.80})")
-    too_low = low is not None and (value < low or (open_low and value == low))
-    too_high = high is not None and value > high
-    if too_low or too_high:
-        bracket = "(" if open_low else "["
-        if high is None:
-            rule = f"{'>' if open_low else '>='} {low}"
-        else:
-            rule = f"in {bracket}{low}, {high}]"
-        raise ValueError(f"{name} must be {rule} (got {value!r})")
-
-
-def read_json(path):
-    """A JSON object from a file, or a one-line ValueError naming the file."""
-    try:
-        with open(path, encoding="utf-8") as f:
-            obj = json.load(f)
-    except OSError as e:
-        raise ValueError(f"{path}: cannot read ({e})") from None
-    except ValueError as e:  # bad JSON or not UTF-8
-        raise ValueError(f"{path}: not valid JSON ({e})") from None
-    require(isinstance(obj, dict), f"{path}: expected a JSON object, not {type(obj).__name__}")
-    return obj
-
-
+# ==== Part 1: the model =====================================================================================
 # ---- Config: every field the model uses --------------------------------------------------------------------
 @dataclass
 class Config:
-    """The model's shape; field names follow DeepSeek's reference `ModelArgs` (config.json names in
-    HF_NAMES)."""
+    """The model's shape; field names follow DeepSeek's reference `ModelArgs` (config.json's names, where they
+    differ, in hf_checkpoint.HF_NAMES)."""
 
     vocab_size: int = 129280
     dim: int = 7168  # hidden_size
@@ -125,6 +84,9 @@ class Config:
     bos_token_id: int = 0
     eos_token_id: int = 1
 
+    def __post_init__(self):  # refuse, in one line, what the layers cannot run
+        hf_checkpoint.check_config(self, fields(self))
+
     @property
     def qk_head_dim(self):
         return self.qk_nope_head_dim + self.qk_rope_head_dim
@@ -145,158 +107,19 @@ class Config:
         """A few layers (first one dense), 8 experts in 4 groups, small dims, index_topk=32: for CPU tests."""
         return cls(**(TINY | overrides))
 
-    # -- reading an HF config.json: the names that differ, and the values DeepSeek-V3.2 fixes --
-    HF_NAMES = dict(
-        hidden_size="dim",
-        intermediate_size="inter_dim",
-        moe_intermediate_size="moe_inter_dim",
-        num_hidden_layers="n_layers",
-        first_k_dense_replace="n_dense_layers",
-        num_nextn_predict_layers="n_mtp_layers",
-        num_attention_heads="n_heads",
-        num_experts_per_tok="n_activated_experts",
-        n_group="n_expert_groups",
-        topk_group="n_limited_groups",
-        routed_scaling_factor="route_scale",
-        max_position_embeddings="max_seq_len",
-        rms_norm_eps="eps",
-    )
-    ROPE_NAMES = dict(
-        factor="rope_factor",
-        original_max_position_embeddings="original_seq_len",
-        beta_fast="beta_fast",
-        beta_slow="beta_slow",
-        mscale="mscale",
-    )
-    HF_FIXED = dict(
-        scoring_func="sigmoid",
-        topk_method="noaux_tc",
-        hidden_act="silu",
-        norm_topk_prob=True,
-        tie_word_embeddings=False,
-    )
-
     @classmethod
     def from_json(cls, path):
         """Build from an HF DeepSeek-V3.2 `config.json` (a file or the directory holding it)."""
-        if os.path.isdir(path):
-            path = os.path.join(path, "config.json")
-        require(os.path.isfile(path), f"no config.json at {path}")
-        hf = read_json(path)
-        cls.check_hf(path, hf)
-        names = {f.name for f in fields(cls)}
-        kw = {cls.HF_NAMES.get(k, k): v for k, v in hf.items() if cls.HF_NAMES.get(k, k) in names}
-        rope = hf.get("rope_scaling") or {}
-        kw.update({ours: rope[k] for k, ours in cls.ROPE_NAMES.items() if k in rope})
+        path, kw = hf_checkpoint.config_fields(path, {f.name for f in fields(cls)})
         try:
             return cls(**kw)
         except ValueError as e:
             raise ValueError(f"{path}: invalid DeepSeek-V3.2 config: {e}") from None
 
-    # -- checks: refuse (one ValueError line) what the layers cannot run --
-    LOW = dict(
-        n_dense_layers=0, n_mtp_layers=0, bos_token_id=0, eos_token_id=0, rope_theta=1.0, mscale=-math.inf
-    )
-
-    def __post_init__(self):
-        """Types and signs first (integers >= 1 and floats > 0 unless LOW says otherwise), then shapes."""
-        for f in fields(self):
-            kind = int if f.type in ("int", int) else float
-            low = self.LOW.get(f.name, 1 if kind is int else 0)
-            check_arg(self.label(f.name), getattr(self, f.name), kind, low, open_low=kind is float)
-        for ok, why in self.shape_rules():
-            require(ok, why)
-
-    def shape_rules(self):
-        group = self.n_routed_experts // self.n_expert_groups
-        rules = [
-            (self.n_dense_layers <= self.n_layers, "more dense layers than layers"),
-            (self.n_routed_experts % self.n_expert_groups == 0, "experts must split evenly into groups"),
-            (group >= 2, "group score is the sum of the top-2 experts"),
-            (self.n_limited_groups <= self.n_expert_groups, "top-k larger than kept groups"),
-            (self.n_activated_experts <= self.n_limited_groups * group, "top-k larger than kept groups"),
-            (self.n_heads * self.v_head_dim % BLOCK == 0, "o_proj input must be a multiple of 128"),
-            (self.index_head_dim == BLOCK, "indexer heads are one 128-wide FP8 group each (Hadamard 128)"),
-            (
-                self.qk_rope_head_dim % 2 == 0 and self.qk_rope_head_dim <= self.index_head_dim,
-                "qk_rope_head_dim must be even and at most index_head_dim",
-            ),
-            (self.max_seq_len > self.original_seq_len, "max_seq_len must exceed original_seq_len"),
-            (max(self.bos_token_id, self.eos_token_id) < self.vocab_size, "bos/eos_token_id >= vocab_size"),
-        ]
-        for name in ("dim", "q_lora_rank", "kv_lora_rank", "inter_dim", "moe_inter_dim"):
-            why = f"{self.label(name)} must be a multiple of {BLOCK} (FP8 activation groups)"
-            rules.append((getattr(self, name) % BLOCK == 0, why))
-        return rules
-
-    @classmethod
-    def check_hf(cls, path, hf):
-        """The config.json values this engine does not read but DeepSeek-V3.2 fixes."""
-        arch = hf.get("architectures")
-        is_v32 = hf.get("model_type") == "deepseek_v32" or (
-            isinstance(arch, list) and "DeepseekV32ForCausalLM" in arch
-        )
-        require(is_v32, f"{path} is not a DeepSeek-V3.2 config (model_type={hf.get('model_type')!r})")
-        quant = hf.get("quantization_config", {})
-        rope = hf.get("rope_scaling") or {}
-        is_objects = isinstance(quant, dict) and isinstance(rope, dict)
-        require(is_objects, f"{path}: quantization_config and rope_scaling must be JSON objects")
-        for k, v in cls.HF_FIXED.items():
-            require(
-                k not in hf or hf[k] == v,
-                f"{path}: {k}={hf.get(k)!r} is not supported (DeepSeek-V3.2 uses {v!r})",
-            )
-        fp8 = quant.get("quant_method") == "fp8" and quant.get("fmt", "e4m3") == "e4m3"
-        blocks = quant.get("weight_block_size") == [BLOCK, BLOCK]
-        require(
-            fp8 and blocks, f"{path}: expected quantization_config fp8 e4m3 with weight_block_size [128, 128]"
-        )
-        scale_fmt = quant.get("scale_fmt", "ue8m0")  # activation scales are powers of two (ue8m0) here
-        require(
-            scale_fmt == "ue8m0",
-            f"{path}: scale_fmt {scale_fmt!r} is not supported (DeepSeek-V3.2 uses 'ue8m0')",
-        )
-        rope_type = rope.get("type", rope.get("rope_type"))
-        require(rope_type == "yarn", f"{path}: expected rope_scaling of type yarn")
-
     def check_tp(self, n):
-        """Refuse a tensor-parallel size n (ranks) that would split a head, an expert or the vocabulary
-        unevenly, or cut a 128x128 FP8 block across ranks: each rank's rows of q_b / kv_b / w1 / w3 and
-        columns of o_proj / w2."""
-        H = self.n_heads
-        blocks = n * BLOCK
-        rules = [
-            ("n_heads", H, n),
-            ("n_routed_experts", self.n_routed_experts, n),
-            ("vocab_size", self.vocab_size, n),
-            ("q_b_proj rows (n_heads * qk_head_dim)", H * self.qk_head_dim, blocks),
-            (
-                "kv_b_proj rows (n_heads * (qk_nope_head_dim + v_head_dim))",
-                H * (self.qk_nope_head_dim + self.v_head_dim),
-                blocks,
-            ),
-            ("o_proj columns (n_heads * v_head_dim)", H * self.v_head_dim, blocks),
-            ("inter_dim", self.inter_dim if self.n_dense_layers else 0, blocks),
-            (
-                "shared expert width (moe_inter_dim * n_shared_experts)",
-                self.moe_inter_dim * self.n_shared_experts,
-                blocks,
-            ),
-        ]
-        for what, value, divisor in rules:
-            why = f"tensor parallel size {n}: {what} = {value} must be a multiple of {divisor}"
-            if divisor > n:
-                why += f" (whole {BLOCK}-wide FP8 blocks per rank)"
-            require(value % divisor == 0, why)
-
-    @classmethod
-    def label(cls, name):
-        """Our field name, and the config.json one where it differs."""
-        hf = {ours: hf for hf, ours in cls.HF_NAMES.items()}
-        hf |= {ours: f"rope_scaling.{k}" for k, ours in cls.ROPE_NAMES.items()}
-        if hf.get(name, name) != name:
-            return f"{name} ({hf[name]})"
-        return name
+        """Refuse a tensor-parallel size n that would split a head, an expert or the vocabulary unevenly, or
+        cut a 128x128 FP8 block across ranks."""
+        hf_checkpoint.check_tp(self, n)
 
 
 TINY = dict(
@@ -318,148 +141,6 @@ TINY = dict(
     index_n_heads=4,
     index_topk=32,
 )
-
-
-# ---- The checkpoint format: the official HF names, shapes and dtypes (spec section 2) ----------------------
-# kinds: "fp8" = float8_e4m3fn weight + float32 `weight_scale_inv` per 128x128 block; "bf16" = plain bf16
-# matrix; "norm" = norm weight (bf16, or fp32 in some conversions); "f32" = fp32 vector (router bias).
-ALLOWED_DTYPES = {
-    "fp8": (FP8,),
-    "scale": (torch.float32,),
-    "bf16": (BF16,),
-    "norm": (BF16, torch.float32),
-    "f32": (torch.float32,),
-}
-
-
-def checkpoint_tensors(cfg: Config):
-    """{HF tensor name: (shape, kind)} for every tensor of the official checkpoint, scales included."""
-    tensors = {"model.embed_tokens.weight": ([cfg.vocab_size, cfg.dim], "bf16")}
-    for i in range(cfg.n_layers + cfg.n_mtp_layers):
-        prefix = f"model.layers.{i}."
-        if i >= cfg.n_layers:
-            tensors |= mtp_tensors(cfg, prefix)
-        tensors |= attention_tensors(cfg, prefix)
-        tensors |= ffn_tensors(cfg, prefix, moe=i >= cfg.n_dense_layers)
-    tensors["model.norm.weight"] = ([cfg.dim], "norm")
-    tensors["lm_head.weight"] = ([cfg.vocab_size, cfg.dim], "bf16")
-    for name, (shape, kind) in list(tensors.items()):
-        if kind == "fp8":
-            tensors[name + "_scale_inv"] = ([-(-shape[0] // BLOCK), -(-shape[1] // BLOCK)], "scale")
-    return tensors
-
-
-def attention_tensors(cfg: Config, prefix):
-    """A layer's norms, MLA projections and lightning indexer."""
-    H, dim = cfg.n_heads, cfg.dim
-    Q, C, R = cfg.q_lora_rank, cfg.kv_lora_rank, cfg.qk_rope_head_dim
-    index_q = cfg.index_n_heads * cfg.index_head_dim
-    a = prefix + "self_attn."
-    return {
-        prefix + "input_layernorm.weight": ([dim], "norm"),
-        a + "q_a_proj.weight": ([Q, dim], "fp8"),
-        a + "q_a_layernorm.weight": ([Q], "norm"),
-        a + "q_b_proj.weight": ([H * cfg.qk_head_dim, Q], "fp8"),
-        a + "kv_a_proj_with_mqa.weight": ([C + R, dim], "fp8"),
-        a + "kv_a_layernorm.weight": ([C], "norm"),
-        a + "kv_b_proj.weight": ([H * (cfg.qk_nope_head_dim + cfg.v_head_dim), C], "fp8"),
-        a + "o_proj.weight": ([dim, H * cfg.v_head_dim], "fp8"),
-        a + "indexer.wq_b.weight": ([index_q, Q], "fp8"),
-        a + "indexer.wk.weight": ([cfg.index_head_dim, dim], "fp8"),
-        a + "indexer.k_norm.weight": ([cfg.index_head_dim], "norm"),
-        a + "indexer.k_norm.bias": ([cfg.index_head_dim], "norm"),
-        a + "indexer.weights_proj.weight": ([cfg.index_n_heads, dim], "bf16"),
-        prefix + "post_attention_layernorm.weight": ([dim], "norm"),
-    }
-
-
-def ffn_tensors(cfg: Config, prefix, moe):
-    """A dense SwiGLU MLP, or a MoE: router, routed experts, shared expert."""
-    tensors = {}
-    mlps = {"mlp.": cfg.inter_dim}
-    if moe:
-        tensors[prefix + "mlp.gate.weight"] = ([cfg.n_routed_experts, cfg.dim], "bf16")
-        tensors[prefix + "mlp.gate.e_score_correction_bias"] = ([cfg.n_routed_experts], "f32")
-        mlps = {f"mlp.experts.{e}.": cfg.moe_inter_dim for e in range(cfg.n_routed_experts)}
-        mlps["mlp.shared_experts."] = cfg.moe_inter_dim * cfg.n_shared_experts
-    for mlp, inter in mlps.items():
-        tensors[prefix + mlp + "gate_proj.weight"] = ([inter, cfg.dim], "fp8")
-        tensors[prefix + mlp + "up_proj.weight"] = ([inter, cfg.dim], "fp8")
-        tensors[prefix + mlp + "down_proj.weight"] = ([cfg.dim, inter], "fp8")
-    return tensors
-
-
-def mtp_tensors(cfg: Config, prefix):
-    """The MTP layer's own tensors outside its decoder block (spec 2.3): embedding and head copies, norms,
-    eh_proj."""
-    return {
-        prefix + "embed_tokens.weight": ([cfg.vocab_size, cfg.dim], "bf16"),
-        prefix + "enorm.weight": ([cfg.dim], "norm"),
-        prefix + "hnorm.weight": ([cfg.dim], "norm"),
-        prefix + "eh_proj.weight": ([cfg.dim, 2 * cfg.dim], "bf16"),
-        prefix + "shared_head.norm.weight": ([cfg.dim], "norm"),
-        prefix + "shared_head.head.weight": ([cfg.vocab_size, cfg.dim], "bf16"),
-    }
-
-
-# HF name -> our module name, in one place (the reference's convert.py mapping, plus the MTP layer)
-HF_TO_OURS = {
-    "embed_tokens": "embed",
-    "input_layernorm": "attn_norm",
-    "post_attention_layernorm": "ffn_norm",
-    "q_a_proj": "wq_a",
-    "q_a_layernorm": "q_norm",
-    "q_b_proj": "wq_b",
-    "kv_a_proj_with_mqa": "wkv_a",
-    "kv_a_layernorm": "kv_norm",
-    "kv_b_proj": "wkv_b",
-    "o_proj": "wo",
-    "gate_proj": "w1",
-    "down_proj": "w2",
-    "up_proj": "w3",
-    "lm_head": "head",
-    "self_attn": "attn",
-    "mlp": "ffn",
-    "weight_scale_inv": "scale",
-    "e_score_correction_bias": "bias",
-}
-MTP_OWN = {"embed_tokens", "enorm", "hnorm", "eh_proj", "shared_head"}  # MTP-layer names outside its block
-EXPERT = re.compile(r"(.*\.experts)\.(\d+)\.(w[123])\.(weight|scale)$")  # a routed expert's: stacked
-# Weights apart in the checkpoint that one product reads here, stacked by rows at load (load_target): every
-# SwiGLU MLP's gate_proj | up_proj (w13), and MLA's q_a_proj | indexer.wk | kv_a_proj_with_mqa (wqkv_a: the
-# three read the same x). Each part starts on a whole 128-row block (kv_a's 576 rows go last), so the block
-# scales stack alike.
-STACKED = re.compile(r"(.*)\.(w1|w3|wq_a|indexer\.wk|wkv_a)\.(weight|scale)$")
-
-
-def stack_of(key):
-    """(the stacked parameter, the part) for our name of a part of a stacked weight; else (key, None)."""
-    match = STACKED.match(key)
-    if match is None:
-        return key, None
-    prefix, part, kind = match.groups()
-    stack = "w13" if part in ("w1", "w3") else "wqkv_a"
-    return f"{prefix}.{stack}.{kind}", part
-
-
-def stacked_rows(cfg: Config, part, stack_rows, unit):
-    """The rows of a stacked parameter (stack_rows of them) that `part` fills: in weight rows (unit 1) or in
-    block-scale rows (unit BLOCK)."""
-    if part in ("w1", "w3"):  # two halves
-        half = stack_rows // 2
-        return slice(half if part == "w3" else 0, half if part == "w1" else stack_rows)
-    Q, J = cfg.q_lora_rank, cfg.index_head_dim
-    end = Q + J + cfg.kv_lora_rank + cfg.qk_rope_head_dim
-    first, last = {"wq_a": (0, Q), "indexer.wk": (Q, Q + J), "wkv_a": (Q + J, end)}[part]
-    return slice(first // unit, -(-last // unit))
-
-
-def ours_name(cfg: Config, hf_name: str) -> str:
-    parts = hf_name.removeprefix("model.").split(".")
-    if parts[0] == "layers" and int(parts[1]) >= cfg.n_layers:  # MTP layer: its decoder block is `block`
-        block = [] if parts[2] in MTP_OWN else ["block"]
-        parts = ["mtp", str(int(parts[1]) - cfg.n_layers)] + block + parts[2:]
-    return ".".join(HF_TO_OURS.get(p, p) for p in parts)
 
 
 # ---- Building blocks: FP8 activation quantization and linear, norms, YaRN RoPE, Hadamard, stable top-k -----
@@ -512,18 +193,11 @@ def acc_dtype(x: torch.Tensor):
     return torch.float32
 
 
-# The references dequantize a model's FP8 weights once, at load, when the copies (8 bytes a weight on the CPU)
-# take at most this much; a bigger model dequantizes each weight at each call (same values: FP8 times a power
-# of two is exact in fp32 and fp64). On the demo model per-call dequantizing was ~65% of the CPU's time. Its
-# plain weights (the heads, fp32) are then widened to fp64 once too, not at each call (~5% of a CPU round).
-DEQUANTIZE_AT_LOAD_BYTES = 2 << 30
-
-
 def fp8_linear(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, partial=False) -> torch.Tensor:
     """y = act_quant(x) @ W^T for a block-scaled FP8 weight, bf16 out (partial: the unrounded accumulator,
     rounded after the all-reduce). Pow2 scales keep both operands exact: it equals the reference `fp8_gemm`
     up to sum order. act_quant is never skipped: it rounds x to a 3-bit mantissa, as the reference does.
-    scale None: w was dequantized at load (DEQUANTIZE_AT_LOAD_BYTES)."""
+    scale None: w was dequantized at load (dequantize_weights)."""
     acc = acc_dtype(x)
     if scale is not None:
         w = weight_dequant(w, scale)
@@ -531,18 +205,6 @@ def fp8_linear(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, partial=Fa
     if partial:
         return y
     return y.to(BF16)
-
-
-def swiglu(h):
-    """SwiGLU's activation silu(gate) * up of h = [gate | up] [..., 2I]: fp32, rounded to bf16 (as the
-    reference's silu(w1 x) * w3 x)."""
-    inter = h.shape[-1] // 2
-    return (F.silu(h[..., :inter].float()) * h[..., inter:].float()).to(BF16)
-
-
-def swiglu_linear(h, w, scale, partial=False):
-    """SwiGLU's down projection: fp8_linear of swiglu(h)."""
-    return fp8_linear(swiglu(h), w, scale, partial)
 
 
 def dense_linear(x, w):
@@ -557,7 +219,7 @@ def param(*shape, dtype):
 
 class Linear(nn.Module):
     """x W^T. fp8=True: float8_e4m3fn weight + float32 `scale` per 128x128 block; else a plain `dtype`
-    weight. n: a stack of n weights [n, out, in] (the routed experts, read by the MoE kernel). split: 'col'
+    weight. n: a stack of n weights [n, out, in] (the routed experts, read by the MoE op). split: 'col'
     this rank holds out / ranks rows, 'row' in / ranks columns (the output is a partial sum the caller
     all-reduces), None all of it."""
 
@@ -593,6 +255,33 @@ class Linear(nn.Module):
         if self.dequantized is not None:
             return self.dequantized, None
         return self.weight, self.scale
+
+
+def linears(x, *lins):
+    """Several Linear layers of the same input x -> their outputs (MLA's three products of x; on the GPU one
+    GEMM over the weights kernels.prepare stacked at load)."""
+    return tuple(lin(x) for lin in lins)
+
+
+def swiglu(gate, up):
+    """SwiGLU's activation silu(gate) * up in fp32, rounded to bf16 (as the reference's silu(w1 x) * w3 x)."""
+    return (F.silu(gate.float()) * up.float()).to(BF16)
+
+
+def swiglu_mlp(x, w1, w3, w2):
+    """The SwiGLU MLP w2(silu(x W1^T) * x W3^T) (w2 split by rows: an unrounded partial sum). On the GPU w1 | w3
+    are one GEMM, and SwiGLU runs inside w2's act-quant."""
+    return w2(swiglu(w1(x), w3(x)))
+
+
+def side_by_side(first, first_args, second, second_args):
+    """(first(*first_args), second(*second_args)) for two independent parts of a layer, which meet only after
+    both are done (MLA's queries and the indexer, and inside the indexer its head weights and its queries; the
+    shared and the routed experts). The reference runs them one after the other; the GPU runs second, the
+    longer chain, on a second stream of higher priority while first runs, so that one part's short,
+    latency-bound kernels fill the SMs that the other leaves idle (SGLang overlaps the first and the last
+    pair alike). The same kernels on the same inputs: the same bits either way."""
+    return first(*first_args), second(*second_args)
 
 
 def rms_norm(x, residual, weight, eps):
@@ -704,16 +393,6 @@ def top_indices(x, k):
     return x.sort(dim=-1, descending=True, stable=True).indices[..., :k]
 
 
-def side_by_side(first, second):
-    """(first(), second()) for two independent parts of a layer, which meet only after both are done (MLA's
-    queries and the indexer, and inside the indexer its head weights and its queries; the shared and the
-    routed experts). The reference runs them one after the other; the GPU runs second(), the longer chain, on
-    a second stream of higher priority while first() runs, so that one part's short, latency-bound kernels
-    fill the SMs that the other leaves idle (SGLang overlaps the first and the last pair alike). The same
-    kernels on the same inputs: the same bits either way."""
-    return first(), second()
-
-
 # ---- Forward metadata: one Meta per forward pass, shared by every layer; the per-layer cache view ----------
 def to_device(x: torch.Tensor, device) -> torch.Tensor:
     """Host -> device without waiting: a copy from pageable memory blocks the host until the GPU reaches
@@ -726,50 +405,31 @@ def to_device(x: torch.Tensor, device) -> torch.Tensor:
 
 @dataclass
 class Meta:
-    """Everything a forward pass needs to know about its batch, built once per step, shared by every layer.
-    mode 'prefill': rows are chunks of prompts; 'decode' / 'verify': each row is its own query (1 or k+1
-    per request)."""
+    """Everything a forward pass needs to know about its rows, built once per step and shared by every layer.
+    mode 'prefill': rows are chunks of prompts; 'decode': every row is a query of its own (a decode row, a
+    verify row and its drafts, a draft step), with its own position and so its own causal length."""
 
     mode: str
     positions: torch.Tensor  # [T] absolute position of each row's token
-    slots: torch.Tensor  # [T] KV-pool slot the row's token is written to
     row_req: torch.Tensor  # [T] request (row of `table`) each row belongs to
-    table: torch.Tensor  # [B, N] KV-pool slot of every context position of each request (page size 1)
-    ctx_lens: torch.Tensor  # [T] causal length of each row = position + 1
+    table: torch.Tensor  # [B, W] KV-pool slot of every context position of each request (page size 1)
     cu_seqlens: list  # [B + 1] host: row offsets of each request
-    ctx_host: torch.Tensor  # [T] ctx_lens on the host (prefill chunks slice their context by it)
-    max_ctx: int  # the longest row context (host); under a CUDA graph, the bound it was captured for
+    max_ctx: int  # host: a bound on every row's causal length (the width the indexer scores)
+    slots: torch.Tensor = None  # [T] slot each row's token is written to (default: its position's)
+    ctx_lens: torch.Tensor = field(init=False)  # [T] each row's causal length: position + 1
+
+    def __post_init__(self):
+        self.ctx_lens = self.positions + 1
+        if self.slots is None:
+            self.slots = self.table[self.row_req, self.positions]
 
     @classmethod
     def build(cls, mode, starts, lens, table):
-        """Request b has rows for positions starts[b] .. starts[b] + lens[b] - 1."""
+        """Request b has rows for positions starts[b] .. starts[b] + lens[b] - 1 (host lists)."""
         positions = [s + i for s, n in zip(starts, lens, strict=True) for i in range(n)]
         row_req = [b for b, n in enumerate(lens) for _ in range(n)]
         pos, row_req = to_device(torch.tensor([positions, row_req]), table.device)  # one copy
-        return cls(
-            mode,
-            positions=pos,
-            slots=table[row_req, pos],
-            row_req=row_req,
-            table=table,
-            ctx_lens=pos + 1,
-            cu_seqlens=list(accumulate(lens, initial=0)),
-            ctx_host=torch.tensor(positions) + 1,
-            max_ctx=max(positions) + 1,
-        )
-
-    def step(self, shift):
-        """The same rows `shift` positions later: the draft steps of a round shift one Meta, not rebuild
-        it."""
-        pos = self.positions + shift
-        return replace(
-            self,
-            positions=pos,
-            slots=self.table[self.row_req, pos],
-            ctx_lens=self.ctx_lens + shift,
-            ctx_host=self.ctx_host + shift,
-            max_ctx=self.max_ctx + shift,
-        )
+        return cls(mode, pos, row_req, table, list(accumulate(lens, initial=0)), max(positions) + 1)
 
     def dense(self, index_topk):
         """Prompt chunks whose whole context fits in top-k: DSA selects every position, so attention is
@@ -827,12 +487,14 @@ def index_scores(q8, head_weights, k8, ks):
 
 def topk_positions(scores, ctx_lens, topk):
     """Top-min(topk, N) positions of each row among its causal context (n < ctx_lens[t]); -1 pads short
-    rows."""
+    rows. A row whose context fits in top-k selects all of it, in order (as the kernel)."""
     n = torch.arange(scores.shape[-1], device=scores.device)
     scores = scores.masked_fill(n[None, :] >= ctx_lens[:, None], float("-inf"))  # causal mask before top-k
     # Ties (exact zeros from the ReLU are common) go to the earliest position, whatever the batch shape: the
     # reference's torch.topk breaks them in an implementation-defined order.
     idx = top_indices(scores, min(topk, scores.shape[-1]))
+    everything = n[: idx.shape[-1]].expand_as(idx)
+    idx = torch.where((ctx_lens <= topk)[:, None], everything, idx)
     return torch.where(idx < ctx_lens[:, None], idx, -1)
 
 
@@ -845,13 +507,13 @@ def head_weights(weights, scale, qs):
 def index_topk(q8, qs, weights, scale, cache: LayerCache, meta: Meta, topk):
     """Reference of the lightning-indexer kernel: score each row's causal context against the cached FP8 keys
     (q8 [T, I, J] with its scales qs, the heads weighted by head_weights(weights, scale, qs)) and keep its
-    top-min(topk, N) positions [T, min(topk, N)] (-1 = none; N = the longest row context). The rows of one
-    request (a prompt chunk, a verify row and its drafts) share its keys: gathered once."""
+    top-min(topk, N) positions [T, min(topk, N)] (-1 = none; N = meta.max_ctx). The rows of one request (a
+    prompt chunk, a verify row and its drafts) share its keys: gathered once."""
     w = head_weights(weights, scale, qs)
     out = []
     width = min(topk, meta.max_ctx)
     for b, rows in enumerate(meta.request_rows()):
-        ctx = meta.table[b, : int(meta.ctx_host[rows].max())]  # [N] slots
+        ctx = meta.table[b, : meta.max_ctx]  # [N] slots
         scores = index_scores(q8[rows], w[rows], cache.ik[ctx][None], cache.iks[ctx][None])
         selected = topk_positions(scores, meta.ctx_lens[rows], topk)
         out.append(F.pad(selected, (0, width - selected.shape[1]), value=-1))
@@ -865,14 +527,14 @@ class Indexer(nn.Module):
         super().__init__()
         self.cfg = cfg
         self.wq_b = Linear(cfg.q_lora_rank, cfg.index_n_heads * cfg.index_head_dim)
-        # the key projection wk is part of MLA's wqkv_a (it reads the same x)
+        self.wk = Linear(cfg.dim, cfg.index_head_dim)
         self.k_norm = nn.LayerNorm(cfg.index_head_dim, cfg.eps).requires_grad_(False)  # fp32 weight and bias
         self.weights_proj = Linear(cfg.dim, cfg.index_n_heads, fp8=False, dtype=torch.float32)
 
     def forward(self, x, qr, k, cos, sin, meta: Meta, cache: LayerCache):
-        """x [T, dim], qr [T, q_lora] (MLA's normed query latent), k [T, J] (x's key projection, wk) -> [T,
-        min(K, N)] selected context positions per row (-1 = none), or None for a dense prompt chunk. Writes
-        this pass's keys first, so every row can select its own token."""
+        """x [T, dim], qr [T, q_lora] (MLA's normed query latent), k = wk(x) [T, J] (MLA runs it with its own
+        products of x) -> [T, min(K, N)] selected context positions per row (-1 = none), or None for a dense
+        prompt chunk. Writes this pass's keys first, so every row can select its own token."""
         cfg = self.cfg
         norm = self.k_norm
         self.ops.store_index_key(k, norm.weight, norm.bias, norm.eps, cos, sin, cache, meta.slots)
@@ -882,10 +544,7 @@ class Indexer(nn.Module):
             n = torch.arange(meta.max_ctx, device=x.device)
             return torch.where(n < meta.ctx_lens[:, None], n, -1)
         # the heads' weights, from x, beside the queries' longer chain, from qr
-        weights, (q8, qs) = self.ops.side_by_side(
-            lambda: self.weights_proj(x),
-            lambda: self.queries(qr, cos, sin),
-        )
+        weights, (q8, qs) = self.ops.side_by_side(self.weights_proj, (x,), self.queries, (qr, cos, sin))
         scale = cfg.index_n_heads**-0.5 * cfg.index_head_dim**-0.5  # (applied by index_topk: head_weights)
         return self.ops.index_topk(q8, qs, weights, scale, cache, meta, cfg.index_topk)
 
@@ -956,12 +615,10 @@ class MLA(nn.Module):
         super().__init__()
         self.cfg = cfg
         H = cfg.n_heads  # split over ranks: q_b / kv_b rows and o_proj columns of this rank's heads
-        # q_a_proj | the indexer's wk | kv_a_proj_with_mqa: the three products of x as one (see STACKED)
-        self.wqkv_a = Linear(
-            cfg.dim, cfg.q_lora_rank + cfg.index_head_dim + cfg.kv_lora_rank + cfg.qk_rope_head_dim
-        )
+        self.wq_a = Linear(cfg.dim, cfg.q_lora_rank)
         self.q_norm = RMSNorm(cfg.q_lora_rank, cfg.eps)
         self.wq_b = Linear(cfg.q_lora_rank, H * cfg.qk_head_dim, split="col")
+        self.wkv_a = Linear(cfg.dim, cfg.kv_lora_rank + cfg.qk_rope_head_dim)
         self.kv_norm = RMSNorm(cfg.kv_lora_rank, cfg.eps)
         self.wkv_b = Linear(cfg.kv_lora_rank, H * (cfg.qk_nope_head_dim + cfg.v_head_dim), split="col")
         self.wo = Linear(H * cfg.v_head_dim, cfg.dim, split="row")
@@ -973,21 +630,17 @@ class MLA(nn.Module):
         intermediates to bf16: fused kernels keep fp32 too, and the per-head and absorbed forms become the
         same function."""
         cfg = self.cfg
-        R, C = cfg.qk_rope_head_dim, cfg.kv_lora_rank
-        q_a, k_index, kv_a = self.wqkv_a(x).split([cfg.q_lora_rank, cfg.index_head_dim, C + R], -1)
+        C, R = cfg.kv_lora_rank, cfg.qk_rope_head_dim
+        # the three products of x: MLA's query and latent projections and the indexer's key (one GEMM on a GPU)
+        q_a, k_index, kv_a = self.ops.linears(x, self.wq_a, self.indexer.wk, self.wkv_a)
         qr = self.q_norm(q_a)  # [T, q_lora]; shared with the indexer
         kv, k_pe = kv_a.split([C, R], -1)  # [T, C], [T, R]
+        norm = self.kv_norm  # this pass's latents go to the cache first: attention reads them from there
+        self.ops.store_latent(kv, k_pe, norm.weight, norm.eps, cos, sin, cache, meta.slots)
         sparse = not meta.dense(cfg.index_topk)  # prompt chunks within top-k attend densely, per head
-
-        def latents_then_queries():  # attention reads this pass's latents from the cache after the join
-            norm = self.kv_norm
-            self.ops.store_latent(kv, k_pe, norm.weight, norm.eps, cos, sin, cache, meta.slots)
-            return self.queries(qr, cos, sin, absorbed=sparse)
-
-        # The queries beside the indexer's selection [T, K'] (context positions, -1 = none; None when dense)
+        # the queries beside the indexer's selection [T, K'] (context positions, -1 = none; None when dense)
         (q, q_pe), selected = self.ops.side_by_side(
-            latents_then_queries,
-            lambda: self.indexer(x, qr, k_index, cos, sin, meta, cache),
+            self.queries, (qr, cos, sin, sparse), self.indexer, (x, qr, k_index, cos, sin, meta, cache)
         )
         if sparse:  # sparse attention over the selected latents; W_UV maps the result back to values
             o_lat = self.ops.sparse_mla(q, q_pe, cache, selected, meta, cfg.softmax_scale)
@@ -1011,7 +664,7 @@ class MLA(nn.Module):
         """Each request's prompt chunk against its causal context, in the per-head form."""
         out = []
         for b, rows in enumerate(meta.request_rows()):
-            ctx = meta.table[b, : int(meta.ctx_host[rows][-1])]  # [N] slots
+            ctx = meta.table[b, : int(meta.ctx_lens[rows.stop - 1])]  # [N] slots
             out.append(self.attend_dense(q_nope[rows], q_pe[rows], ctx, cache))
         return torch.cat(out)
 
@@ -1030,18 +683,19 @@ class MLA(nn.Module):
 
 # ---- Feed-forward: SwiGLU MLP and the sigmoid-routed, group-limited MoE (spec 3.4, 3.9) --------------------
 class MLP(nn.Module):
-    """SwiGLU, w2(silu(x W1) * x W3), with W1 | W3 stacked in one weight w13 (one product; see load_target).
-    A rank holds inter_dim / ranks of it: its output is an unrounded part of the sum (Block adds them)."""
+    """SwiGLU, w2(silu(x W1) * x W3) (swiglu_mlp). A rank holds inter_dim / ranks of it: its output is an
+    unrounded part of the sum (Block adds them)."""
 
-    ops = None  # bound once by Transformer.bind (swiglu_linear)
+    ops = None  # bound once by Transformer.bind (mlp)
 
     def __init__(self, dim, inter_dim):
         super().__init__()
-        self.w13 = Linear(dim, 2 * inter_dim, split="col")  # gate_proj | up_proj: [2I, dim]
-        self.w2 = Linear(inter_dim, dim, split="row")
+        self.w1 = Linear(dim, inter_dim, split="col")  # gate_proj
+        self.w3 = Linear(dim, inter_dim, split="col")  # up_proj
+        self.w2 = Linear(inter_dim, dim, split="row")  # down_proj
 
     def forward(self, x):
-        return self.ops.swiglu_linear(self.w13(x), *self.w2.operands(), partial=True)
+        return self.ops.mlp(x, self.w1, self.w3, self.w2)
 
 
 def route(logits, bias, groups, top_groups, top_experts, scale):
@@ -1076,34 +730,28 @@ class Gate(nn.Module):
         """-> (routing weights [T, A] fp32, expert indices [T, A])."""
         cfg = self.cfg
         logits = self.ops.dense_linear(x, self.weight)  # [T, E] fp32
-        return self.ops.route(
-            logits,
-            self.bias,
-            cfg.n_expert_groups,
-            cfg.n_limited_groups,
-            cfg.n_activated_experts,
-            cfg.route_scale,
-        )
+        groups = (cfg.n_expert_groups, cfg.n_limited_groups, cfg.n_activated_experts)
+        return self.ops.route(logits, self.bias, *groups, cfg.route_scale)
 
 
-def moe_experts(x, weights, idx, w13, s13, w2, s2):
+def moe_experts(x, weights, idx, experts):
     """The routed experts of a MoE layer (the reference of the grouped MoE kernel): each a SwiGLU MLP over
     the tokens that chose it, summed with their routing weights in fp32. x [T, dim] bf16; weights, idx [T,
-    A]; w13 [E, 2I, dim] (w1 | w3 fused), w2 [E, dim, I] FP8 with their block scales -> [T, dim] fp32.
-    Grouped as the kernel: the (token, choice) pairs sorted by expert, one GEMM per expert over its rows (a
-    row is quantized alike in any group: act_quant works per row, so each is quantized once)."""
+    A]; experts.w1, w3 [E, I, dim], w2 [E, dim, I] FP8 stacks -> [T, dim] fp32. Grouped as the kernel: the
+    (token, choice) pairs sorted by expert, one GEMM per expert over its rows (a row is quantized alike in
+    any group: act_quant works per row, so each is quantized once)."""
     T, A = idx.shape
     idx, order = idx.sort(-1)  # each token's experts ascending: summed in that order
     pair = idx.flatten().argsort(stable=True)  # [P] pairs t * A + a by expert, tokens ascending in each
-    pair = pair[idx.flatten()[pair] < len(w13)]  # idx E: another rank's, skipped
+    pair = pair[idx.flatten()[pair] < experts.w1.weight.shape[0]]  # idx E: another rank's, skipped
     y = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
     if len(pair) == 0:
         return y
-    experts, counts = idx.flatten()[pair].unique_consecutive(return_counts=True)
-    groups = (experts.tolist(), counts.tolist())
-    h = grouped_linear(act_dequant(*act_quant(x)).to(acc_dtype(x))[pair // A], w13, s13, *groups)  # [P, 2I]
-    h = swiglu(h)
-    out = grouped_linear(act_dequant(*act_quant(h)).to(acc_dtype(h)), w2, s2, *groups)  # [P, dim] bf16
+    ids, counts = idx.flatten()[pair].unique_consecutive(return_counts=True)
+    groups = (ids.tolist(), counts.tolist())
+    rows = act_dequant(*act_quant(x)).to(acc_dtype(x))[pair // A]  # [P, dim]
+    h = swiglu(grouped_linear(rows, experts.w1, *groups), grouped_linear(rows, experts.w3, *groups))
+    out = grouped_linear(act_dequant(*act_quant(h)).to(acc_dtype(h)), experts.w2, *groups)  # [P, dim] bf16
     each = torch.zeros(T * A, x.shape[1], dtype=torch.float32, device=x.device)  # [T * A, dim]
     each[pair] = out.float() * weights.gather(1, order).flatten()[pair, None]
     for a in range(A):
@@ -1111,15 +759,13 @@ def moe_experts(x, weights, idx, w13, s13, w2, s2):
     return y
 
 
-def grouped_linear(rows, w, scales, experts, counts):
+def grouped_linear(rows, linear, experts, counts):
     """rows [P, in] (already quantized, acc dtype) sorted by expert, counts[i] of them for experts[i], each
-    times its expert's weight -> [P, out] bf16: fp8_linear's math, one GEMM per group. scales None: w was
-    dequantized at load."""
+    times its expert's weight of the stack `linear` -> [P, out] bf16: fp8_linear's math, one GEMM per group."""
+    w, scales = linear.operands()
     out = []
     for e, part in zip(experts, rows.split(counts), strict=True):
-        w_e = w[e]
-        if scales is not None:
-            w_e = weight_dequant(w_e, scales[e])
+        w_e = w[e] if scales is None else weight_dequant(w[e], scales[e])
         out.append(F.linear(part, w_e.to(rows.dtype)))
     return torch.cat(out).to(BF16)
 
@@ -1130,30 +776,29 @@ class MoE(nn.Module):
     def __init__(self, cfg: Config):
         super().__init__()
         self.gate = Gate(cfg)
-        E = cfg.n_routed_experts // tp_size()  # this rank's experts (expert parallel)
-        # stacked: w13 = w1 | w3 fused [E, 2I, dim]; w2 [E, dim, I] (see load_target)
+        E = cfg.n_routed_experts // tp_size()  # this rank's experts (expert parallel), stacked by index
         self.experts = nn.Module()
-        self.experts.w13 = Linear(cfg.dim, 2 * cfg.moe_inter_dim, n=E)
-        self.experts.w2 = Linear(cfg.moe_inter_dim, cfg.dim, n=E)
+        self.experts.w1 = Linear(cfg.dim, cfg.moe_inter_dim, n=E)  # [E, I, dim]
+        self.experts.w3 = Linear(cfg.dim, cfg.moe_inter_dim, n=E)  # [E, I, dim]
+        self.experts.w2 = Linear(cfg.moe_inter_dim, cfg.dim, n=E)  # [E, dim, I]
         self.shared_experts = MLP(cfg.dim, cfg.moe_inter_dim * cfg.n_shared_experts)
 
     def forward(self, x):
         """-> this rank's part [T, dim], unrounded: its routed experts' weighted sum plus its slice of the
         shared expert (Block adds the parts, then rounds once; the reference rounds the shared expert's
         output to bf16 first)."""
-        shared, routed = self.ops.side_by_side(lambda: self.shared_experts(x), lambda: self.routed(x))
+        shared, routed = self.ops.side_by_side(self.shared_experts, (x,), self.routed, (x,))
         return routed + shared
 
     def routed(self, x):
         """The router's choice, then this rank's routed experts' weighted sum [T, dim] fp32."""
         weights, idx = self.gate(x)  # [T, A] each (replicated)
-        w13, w2 = self.experts.w13, self.experts.w2
         if tp_size() > 1:
-            E = w13.weight.shape[0]
+            E = self.experts.w1.weight.shape[0]
             first = tp_rank() * E  # this rank holds experts first .. first + E - 1
             mine = (idx >= first) & (idx < first + E)
             idx = torch.where(mine, idx - first, E)  # E: another rank's, skipped
-        return self.ops.moe(x, weights, idx, *w13.operands(), *w2.operands())
+        return self.ops.moe(x, weights, idx, self.experts)
 
 
 # ---- Block, MTP layer, Transformer, KV cache (spec 3.10, 3.11) ---------------------------------------------
@@ -1218,15 +863,13 @@ class Transformer(nn.Module):
         self.embed = Embedding(cfg.vocab_size, cfg.dim)
         self.layers = nn.ModuleList(Block(cfg, moe=i >= cfg.n_dense_layers) for i in range(cfg.n_layers))
         self.norm = RMSNorm(cfg.dim, cfg.eps)
-        # fp32, as [R]
-        self.head = Linear(cfg.dim, cfg.vocab_size, fp8=False, dtype=torch.float32, split="col")
+        self.head = Linear(
+            cfg.dim, cfg.vocab_size, fp8=False, dtype=torch.float32, split="col"
+        )  # fp32, as [R]
         self.mtp = nn.ModuleList(MTP(cfg) for _ in range(cfg.n_mtp_layers))
 
     def bind(self, ops):
         """Point every layer at one kernel set and prepare the weights it reads (once, after loading)."""
-        fp8_weights = sum(p.numel() for p in self.parameters() if p.dtype == FP8)
-        dequantize = ops.dequantize_fp8 and fp8_weights * 8 <= DEQUANTIZE_AT_LOAD_BYTES
-        copies = {}  # weight -> the copy the references read
         for mod in self.modules():
             if hasattr(type(mod), "ops"):
                 mod.ops = ops
@@ -1238,11 +881,7 @@ class Transformer(nn.Module):
                 w = w.view(-1, D + mod.cfg.v_head_dim, mod.cfg.kv_lora_rank)  # [H, D + V, C]
                 mod.w_uk = w[:, :D].transpose(1, 2).contiguous()
                 mod.w_uv = w[:, D:].contiguous()
-            if isinstance(mod, Linear) and dequantize and mod.weight not in copies:
-                w = weight_dequant(mod.weight, mod.scale) if mod.fp8 else mod.weight.detach()
-                copies[mod.weight] = w.to(acc_dtype(mod.weight))  # plain weights (the heads): widened alike
-            if isinstance(mod, Linear) and dequantize:  # a shared weight (the MTP head) shares its copy
-                mod.dequantized = copies[mod.weight]  # (a tensor, not a second parameter)
+        ops.prepare(self)  # the references dequantize weights; the kernels stack the ones one GEMM reads
         return self
 
     @torch.inference_mode()
@@ -1290,6 +929,28 @@ class KVCache:
 # ---- The kernel boundary: the few names through which the GPU path plugs in --------------------------------
 # Layers call these through `self.ops`. Transformer.bind points every layer at one set, once, at load:
 # TORCH_OPS (the readable references above, on any device) or kernels.GPU_OPS (the same names and signatures).
+# The references dequantize a model's FP8 weights once, at load, when the copies (8 bytes a weight on the CPU)
+# take at most this much; a bigger model dequantizes each weight at each call (same values: FP8 times a power
+# of two is exact in fp32 and fp64). On the demo model per-call dequantizing was ~65% of the CPU's time. Its
+# plain weights (the heads, fp32) are then widened to fp64 once too, not at each call (~5% of a CPU round).
+DEQUANTIZE_AT_LOAD_BYTES = 2 << 30
+
+
+def dequantize_weights(model):
+    """The references' preparation of a bound model's weights (TORCH_OPS.prepare): every Linear gets the
+    dequantized (FP8) or widened (plain) copy it computes with, a weight shared by two Linears one copy."""
+    fp8_weights = sum(p.numel() for p in model.parameters() if p.dtype == FP8)
+    if fp8_weights * 8 > DEQUANTIZE_AT_LOAD_BYTES:
+        return
+    copies = {}  # weight -> the copy the references read
+    for mod in model.modules():
+        if isinstance(mod, Linear):
+            if mod.weight not in copies:
+                w = weight_dequant(mod.weight, mod.scale) if mod.fp8 else mod.weight.detach()
+                copies[mod.weight] = w.to(acc_dtype(mod.weight))
+            mod.dequantized = copies[mod.weight]  # (a tensor, not a second parameter)
+
+
 TORCH_OPS = SimpleNamespace(
     name="torch reference",
     index_quant=index_quant,  # indexer queries: RoPE, Hadamard, FP8               (Indexer)
@@ -1300,14 +961,15 @@ TORCH_OPS = SimpleNamespace(
     head_linear=head_linear,  # one linear map per head: W_UK, W_UV absorbed  (MLA: sparse rows)
     rope=rope,  # rotary embedding of MLA's queries                            (MLA)
     store_latent=store_latent,  # MLA's cache write: norm, FP8 round trip, rope  (MLA)
+    linears=linears,  # several Linears of one input (GPU: one GEMM)         (MLA)
     rms_norm=rms_norm,  # RMSNorm, with the residual add fused                   (RMSNorm)
     fp8_linear=fp8_linear,  # act-quant + block-scaled FP8 GEMM                (Linear)
-    swiglu_linear=swiglu_linear,  # SwiGLU's activation, then fp8_linear       (MLP)
     dense_linear=dense_linear,  # bf16/fp32 weights: lm_head, weights_proj, eh_proj (Linear)
+    mlp=swiglu_mlp,  # SwiGLU MLP (GPU: w1 | w3 one GEMM, SwiGLU in w2's act-quant) (MLP)
     route=route,  # the router after its product: group-limited top-k, weights (Gate)
     moe=moe_experts,  # routed experts, grouped, weighted sum                (MoE)
     side_by_side=side_by_side,  # independent parts of a layer: GPU, streams (MLA, Indexer, MoE)
-    dequantize_fp8=True,  # FP8 weights dequantized once at load when small enough (DEQUANTIZE_AT_LOAD_BYTES)
+    prepare=dequantize_weights,  # the weights as the ops read them, once at load (Transformer.bind)
     attn_dtype=acc_dtype,  # dtype of wkv_b's absorbed halves (exact: pow2-scaled FP8 fits bf16)
     dense_dtype=lambda w: w.dtype,  # dtype plain Linear weights are kept in (kernels: bf16, as stored)
 )
@@ -1395,102 +1057,62 @@ def rank_slice(full, part):
 
 
 # ---- Loader: reads any DeepSeek-V3.2 checkpoint directory shard by shard, validating every tensor ----------
-SAFETENSORS_DTYPES = {"F8_E4M3": FP8, "BF16": BF16, "F32": torch.float32}  # the ones DeepSeek-V3.2 uses
+# HF name -> our module name, in one place (the reference's convert.py mapping, plus the MTP layer)
+HF_TO_OURS = {
+    "embed_tokens": "embed",
+    "input_layernorm": "attn_norm",
+    "post_attention_layernorm": "ffn_norm",
+    "q_a_proj": "wq_a",
+    "q_a_layernorm": "q_norm",
+    "q_b_proj": "wq_b",
+    "kv_a_proj_with_mqa": "wkv_a",
+    "kv_a_layernorm": "kv_norm",
+    "kv_b_proj": "wkv_b",
+    "o_proj": "wo",
+    "gate_proj": "w1",
+    "down_proj": "w2",
+    "up_proj": "w3",
+    "lm_head": "head",
+    "self_attn": "attn",
+    "mlp": "ffn",
+    "weight_scale_inv": "scale",
+    "e_score_correction_bias": "bias",
+}
+MTP_OWN = {"embed_tokens", "enorm", "hnorm", "eh_proj", "shared_head"}  # MTP-layer names outside its block
 
 
-def shard_files(path):
-    """The shard files and, with an index, its weight map {tensor: file}."""
-    index = os.path.join(path, "model.safetensors.index.json")
-    if os.path.isfile(index):
-        weight_map = read_json(index).get("weight_map")
-        is_map = isinstance(weight_map, dict) and all(isinstance(f, str) for f in weight_map.values())
-        require(is_map, f"{index}: expected a weight_map of tensor name -> shard file name")
-        files = sorted(set(weight_map.values()))
-    elif os.path.isfile(os.path.join(path, "model.safetensors")):
-        files = ["model.safetensors"]
-        weight_map = {}
-    else:
-        raise ValueError(f"{path}: no model.safetensors.index.json or model.safetensors (safetensors only)")
-    for f in files:
-        missing = f"{path}: shard {f} listed in model.safetensors.index.json is missing"
-        require(os.path.isfile(os.path.join(path, f)), missing)
-    return [os.path.join(path, f) for f in files], weight_map
+def ours_name(cfg: Config, hf_name: str) -> str:
+    parts = hf_name.removeprefix("model.").split(".")
+    if parts[0] == "layers" and int(parts[1]) >= cfg.n_layers:  # MTP layer: its decoder block is `block`
+        block = [] if parts[2] in MTP_OWN else ["block"]
+        parts = ["mtp", str(int(parts[1]) - cfg.n_layers)] + block + parts[2:]
+    return ".".join(HF_TO_OURS.get(p, p) for p in parts)
 
 
-def read_headers(path):
-    """{tensor name: (shape, dtype, shard file)} from every shard's header (safetensors checks its length,
-    JSON, dtypes and each tensor's byte span), checked against the index's weight map; no weights read."""
-    from safetensors import safe_open
-
-    files, weight_map = shard_files(path)
-    found = {}
-    for file in files:
-        try:
-            with safe_open(file, "pt") as f:
-                header = {
-                    name: (f.get_slice(name).get_shape(), f.get_slice(name).get_dtype()) for name in f.keys()
-                }
-        except Exception as e:  # safetensors raises its own SafetensorError (and OSError)
-            why = " ".join(str(e).split())
-            raise ValueError(f"{file}: not a safetensors file, or damaged or truncated ({why})") from None
-        for name, (shape, dtype) in header.items():
-            if name in found:
-                raise ValueError(
-                    f"{path}: tensor {name} is in both {found[name][2]} and {os.path.basename(file)}"
-                )
-            found[name] = (shape, dtype, os.path.basename(file))
-    for name, file in weight_map.items():
-        if name in found and found[name][2] != file:
-            raise ValueError(f"{path}: tensor {name} is in {found[name][2]}, but the index says {file}")
-    return found
+def load_target(params, cfg: Config, hf_name: str):
+    """The model tensor a checkpoint tensor is loaded into: its parameter, or for a routed expert its place in
+    this rank's stack (layers.3.ffn.experts.5.w1.weight -> layers.3.ffn.experts.w1.weight[5 - first]); None
+    for another rank's expert."""
+    parts = ours_name(cfg, hf_name).split(".")
+    if "experts" not in parts:
+        return params[".".join(parts)]
+    at = parts.index("experts") + 1  # the expert's index follows
+    per_rank = cfg.n_routed_experts // tp_size()
+    index = int(parts.pop(at)) - tp_rank() * per_rank
+    if not 0 <= index < per_rank:
+        return None
+    return params[".".join(parts)][index]
 
 
 def open_checkpoint(path) -> Config:
     """The config of a checkpoint directory, after checking config.json, each shard's header, then every
-    tensor's presence, shape and dtype against the official checkpoint's table; no weights read."""
+    tensor's presence, shape and dtype against the official checkpoint's table (hf_checkpoint): no weights
+    read."""
     is_dir = isinstance(path, (str, os.PathLike)) and os.path.isdir(path)
     require(is_dir, f"model directory {path!r} does not exist (or is not a directory)")
     cfg = Config.from_json(path)
-    expected = checkpoint_tensors(cfg)
-    found = read_headers(path)
-    for name, (shape, dtype, file) in found.items():
-        unexpected = (
-            f"{path}: unexpected tensor {name} in {file} (not part of DeepSeek-V3.2 with this config)"
-        )
-        require(name in expected, unexpected)
-        want_shape, kind = expected[name]
-        require(
-            shape == want_shape, f"{path}: tensor {name} has shape {shape}, expected {want_shape} (in {file})"
-        )
-        allowed = ALLOWED_DTYPES[kind]
-        names = " or ".join(str(d).removeprefix("torch.") for d in allowed)
-        ok = SAFETENSORS_DTYPES.get(dtype) in allowed
-        require(ok, f"{path}: tensor {name} has dtype {dtype}, expected {names} (in {file})")
-    for name, (shape, kind) in expected.items():
-        require(name in found, f"{path}: missing tensor {name} (expected {kind} {shape})")
+    hf_checkpoint.check_tensors(path, cfg)
     return cfg
-
-
-def load_target(params, cfg: Config, hf_name: str):
-    """The model tensor a checkpoint tensor is loaded into: its parameter, or rows of a stacked one (STACKED:
-    gate_proj -> w13[:I], up_proj -> w13[I:]; q_a_proj, indexer.wk, kv_a_proj_with_mqa -> wqkv_a), a routed
-    expert's at its index in this rank's stack (w13[e], w2[e]); None for another rank's expert."""
-    key = ours_name(cfg, hf_name)
-    expert = EXPERT.match(key)
-    if expert:  # e.g. layers.3.ffn.experts.5.w1.weight -> layers.3.ffn.experts.w1.weight, index 5 - first
-        key = f"{expert[1]}.{expert[3]}.{expert[4]}"
-        per_rank = cfg.n_routed_experts // tp_size()
-        index = int(expert[2]) - tp_rank() * per_rank
-        if not 0 <= index < per_rank:
-            return None
-    key, part = stack_of(key)
-    target = params[key]
-    if expert:
-        target = target[index]
-    if part:
-        unit = 1 if key.endswith(".weight") else BLOCK
-        target = target[stacked_rows(cfg, part, target.shape[0], unit)]
-    return target
 
 
 def load_model(path, device="cpu", kernels="auto", cfg=None) -> Transformer:
@@ -1505,7 +1127,7 @@ def load_model(path, device="cpu", kernels="auto", cfg=None) -> Transformer:
     with torch.device("meta"):  # the layers' shapes only: no memory touched twice
         model = Transformer(cfg).to_empty(device=device).eval()
     params = dict(model.named_parameters())
-    files = shard_files(path)[0]
+    files = hf_checkpoint.shard_files(path)[0]
     total = sum(os.path.getsize(f) for f in files) // tp_size()  # about what each rank reads
     quiet = total < (256 << 20) or tp_rank() > 0
     with tqdm(total=total, unit="B", unit_scale=True, desc="loading", leave=False, disable=quiet) as bar:
@@ -1518,17 +1140,10 @@ def load_model(path, device="cpu", kernels="auto", cfg=None) -> Transformer:
                     part = f.get_slice(name)
                     t = part[rank_slice(part.get_shape(), target.shape)]  # reads this rank's slice only
                     target.copy_(t)
-                    check_finite(target, f"{file}: tensor {name}")
+                    hf_checkpoint.check_finite(target, f"{file}: tensor {name}")
                     bar.update(t.numel() * t.element_size())
+    del params  # (kernels.prepare re-points stacked weights: no stale references)
     return share_mtp_copies(model).bind(select_ops(kernels, device))
-
-
-def check_finite(t, what):
-    if t.dtype == FP8:
-        bad = t.view(torch.uint8) & 0x7F == 0x7F  # e4m3fn's nan (it has no inf)
-    else:
-        bad = ~t.isfinite()
-    require(not bad.any(), f"{what} holds {int(bad.sum())} nan or inf values")
 
 
 def share_mtp_copies(model):
@@ -1574,109 +1189,114 @@ def encode_chat(messages, thinking=False) -> str:
 
 
 def load_tokenizer(model_dir, cfg: Config):
-    """tokenizer.json, checked against the model: no token id >= vocab_size, the chat format's special
-    tokens each encode as one token, and BOS / EOS are the config's bos_token_id / eos_token_id."""
-    from tokenizers import Tokenizer
-
-    file = os.path.join(model_dir, "tokenizer.json")
-    require(os.path.isfile(file), f"{model_dir}: no tokenizer.json")
-    try:
-        tok = Tokenizer.from_file(file)
-    except Exception as e:  # the tokenizers library raises a bare Exception
-        raise ValueError(f"{file}: not a valid tokenizer ({' '.join(str(e).split())})") from None
-    top = max(tok.get_vocab(with_added_tokens=True).values(), default=-1)
-    require(
-        top < cfg.vocab_size, f"{file}: has token id {top}, but the model's vocab_size is {cfg.vocab_size}"
-    )
-    for t in SPECIAL_TOKENS:
-        one_token = tok.encode(t, add_special_tokens=False).ids == [tok.token_to_id(t)]
-        require(
-            one_token, f"{file}: the special token {t} is missing (the chat format needs it as one token)"
-        )
-    for t, key, want in ((BOS, "bos", cfg.bos_token_id), (EOS, "eos", cfg.eos_token_id)):
-        got = tok.token_to_id(t)
-        require(got == want, f"{file}: {t} is token {got}, but config.json has {key}_token_id {want}")
-    return tok
+    """tokenizer.json, checked against the model (hf_checkpoint.load_tokenizer)."""
+    return hf_checkpoint.load_tokenizer(model_dir, cfg, SPECIAL_TOKENS, BOS, EOS)
 
 
-DEMO_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "demo")
+# ---- Sampling and speculative acceptance, on the device ----------------------------------------------------
+# Every random number is a hash of (the request's seed, the position of the token it decides, what it decides:
+# a `stream`), never of a row's place in a batch or of how many numbers were drawn before: a counter-based
+# generator, as Philox is. So a seeded request draws the same numbers alone or in any batch, on any device.
+TARGET, DRAFT, ACCEPT = 1, 2, 3  # streams: the main model's token, a draft token, a draft's acceptance test
+M32 = 0xFFFFFFFF
 
 
-def default_model_dir() -> str:
-    """The embedded default: demo/, a tiny DeepSeek-V3.2 trained on Python's standard library
-    (tools/train_demo.py) and stored in the official FP8 format; it writes Python, and its MTP drafts are
-    accepted."""
-    present = os.path.isfile(os.path.join(DEMO_DIR, "model.safetensors.index.json"))
-    require(present, f"no --model given, and the demo checkpoint is missing from {DEMO_DIR}")
-    return DEMO_DIR
+def mix32(x):
+    """A 32-bit integer hash (lowbias32) of x: int64 holding 32-bit values (the products stay below 2^63)."""
+    x = ((x >> 16) ^ x) * 0x45D9F3B & M32
+    x = ((x >> 16) ^ x) * 0x45D9F3B & M32
+    return (x >> 16) ^ x
 
 
-# ---- Sampling and speculative acceptance -------------------------------------------------------------------
+def uniform(seeds, positions, stream, n):
+    """Uniform numbers in (0, 1) [*positions.shape, n], a hash of (seed, position, stream, column); seeds
+    (int64, >= 0) broadcast against positions."""
+    key = mix32(mix32(mix32(seeds & M32) ^ (seeds >> 32)) ^ positions)
+    key = mix32(key ^ stream)[..., None]
+    bits = mix32(mix32(key ^ torch.arange(n, device=positions.device)))
+    return ((bits >> 8).float() + 0.5) / (1 << 24)  # 24 bits: exact in fp32, never 0 or 1
+
+
+def sample(probs, seeds, positions, stream):
+    """One draw from each row of probs [..., V] (weights, not necessarily normalized) by the exponential race:
+    argmax p / E with E ~ Exp(1) is an exact draw from p, with no host round trip (E from `uniform`)."""
+    e = -torch.log(uniform(seeds, positions, stream, probs.shape[-1]))
+    return (probs / e.to(probs.dtype)).argmax(-1)
+
+
 def probs_from_logits(logits, temperature, top_p):
-    """fp32 logits [n, V] -> sampling distribution: softmax(logits / T) restricted to the top-p nucleus."""
-    p = torch.softmax(logits.float() / temperature, -1)
-    if top_p < 1.0:
-        sp, si = p.sort(-1, descending=True)
-        sp = sp.masked_fill(sp.cumsum(-1) - sp >= top_p, 0.0)  # drop tokens once the nucleus holds top_p
-        p = torch.zeros_like(p).scatter_(-1, si, sp)
-        p = p / p.sum(-1, keepdim=True)
-    return p
+    """fp32 logits [..., V] -> each row's sampling distribution: softmax(logits / T) cut to the top-p nucleus
+    (the most likely tokens until they hold top_p) and renormalized; one-hot on the argmax where T = 0
+    (greedy). temperature, top_p [...] per row. No row sum: torch orders a sum's terms by the number of rows,
+    so a row's total is the last of its cumulative sums, and its bits do not depend on its batch."""
+    greedy = (temperature == 0)[..., None]
+    p = torch.softmax(logits.to(acc_dtype(logits)) / torch.where(greedy, 1.0, temperature[..., None]), -1)
+    sp, si = p.sort(-1, descending=True, stable=True)
+    before = sp.cumsum(-1) - sp  # the mass of the tokens more likely than each
+    sp = sp.masked_fill((before >= top_p[..., None]) & (top_p[..., None] < 1), 0.0)
+    p = torch.zeros_like(p).scatter_(-1, si, sp / sp.cumsum(-1)[..., -1:])
+    onehot = F.one_hot(logits.argmax(-1), logits.shape[-1]).to(p.dtype)
+    return torch.where(greedy, onehot, p)
 
 
-def sample_no_sync(probs, gen):
-    """Exponential race: argmax p / E with E ~ Exp(1) is an exact draw from p, with no host round trip."""
-    e = torch.empty_like(probs).exponential_(1, generator=gen)
-    e = e.clamp_(min=torch.finfo(probs.dtype).tiny)  # E = 0 would make 0/0 = nan win for p = 0
-    return (probs / e).argmax(-1)
-
-
-def residual_probs(p, q):
-    """Where a draft token was rejected, sample from normalize(max(p - q, 0)) (p itself if p == q)."""
-    r = (p - q).clamp(min=0)
-    if r.sum() > 0:
-        return r / r.sum()
-    return p
-
-
-def speculative_accept(draft, q, logits, temperature, top_p, gen):
-    """Verify k drafts against the main model's logits [k+1, V] -> the emitted tokens (accepted drafts,
-    then one of the main model's). Greedy: the longest prefix equal to the argmax. Sampling: accept x with
-    probability min(1, p(x) / q(x)), else draw from max(p - q, 0): the output follows the main model's
-    distribution exactly."""
-    if temperature == 0:
-        target = logits.argmax(-1).tolist()
-        a = next((j for j, x in enumerate(draft) if x != target[j]), len(draft))
-        return draft[:a] + [target[a]]
-    p = probs_from_logits(logits, temperature, top_p)
-    for j, x in enumerate(draft):
-        if torch.rand((), generator=gen, device=p.device) * q[j, x] > p[j, x]:  # reject
-            return draft[:j] + [int(sample_no_sync(residual_probs(p[j], q[j]), gen))]
-    return draft + [int(sample_no_sync(p[-1], gen))]
-
-
-def sample(req, logits):
-    """One token from logits [V]: the argmax (greedy) or a draw from the request's temperature / top-p
-    distribution."""
-    if req.temperature == 0:
-        return int(logits.argmax())
-    return int(sample_no_sync(probs_from_logits(logits[None], req.temperature, req.top_p)[0], req.gen))
-
-
-def pick_drafts(reqs, logits):
-    """One draft token per request from the MTP logits [B, V], left on the device: the argmax, or for a
-    sampling request a draw from its distribution q, which the acceptance test needs -> (tokens [B], [q or
-    None per request])."""
-    tokens = logits.argmax(-1)
-    q = [None] * len(reqs)
-    for b, r in enumerate(reqs):
-        if r.temperature > 0:
-            q[b] = probs_from_logits(logits[b : b + 1], r.temperature, r.top_p)[0]
-            tokens[b] = sample_no_sync(q[b], r.gen)
-    return tokens, q
-
-
-# ---- Requests, results, and the checks at the engine's entry points ----------------------------------------
 @dataclass
+class Sampling:
+    """How the requests of a batch draw their tokens, on the device, one entry per request."""
+
+    seeds: torch.Tensor  # [B] int64
+    temperature: torch.Tensor  # [B] fp32, 0 for greedy
+    top_p: torch.Tensor  # [B] fp32
+    sampling: bool  # host: whether any request samples (a greedy batch needs no distributions)
+
+    @classmethod
+    def of(cls, reqs, device):
+        values = torch.tensor([[r.seed, r.temperature, r.top_p] for r in reqs], dtype=torch.float64)
+        seeds = to_device(torch.tensor([r.seed for r in reqs]), device)
+        rest = to_device(values[:, 1:].float(), device)
+        return cls(seeds, rest[:, 0], rest[:, 1], any(r.temperature > 0 for r in reqs))
+
+
+def draw(logits, sp: Sampling, positions, stream):
+    """One token per row from logits [B, V] -> (tokens [B], the distributions drawn from [B, V]; None for a
+    greedy batch, whose tokens are the argmax)."""
+    if not sp.sampling:
+        return logits.argmax(-1), None
+    p = probs_from_logits(logits, sp.temperature, sp.top_p)
+    return sample(p, sp.seeds, positions, stream), p
+
+
+def accept(tokens, logits, q, sp: Sampling, start):
+    """Speculative acceptance of every request at once, on the device. tokens [B, k+1]: x_L then the drafts
+    d_1..d_k (d_j at position L+j, L = start [B]); logits [B, k+1, V]: the main model's at those rows; q [B,
+    k, V]: the distributions the drafts were drawn from -> (emitted [B, k+1]: the accepted drafts, then one
+    token of the main model; counts [B]: how many of them). A greedy batch keeps the longest prefix of drafts
+    equal to the argmax, then the argmax. Sampling keeps d_j with probability min(1, p(d_j) / q(d_j)), and at
+    the first rejection draws from max(p - q, 0), after k acceptances from p: the output follows the main
+    model's distribution exactly. (A greedy row of a sampling batch has one-hot p and q: the same test.)"""
+    B, n, _ = logits.shape
+    drafts = tokens[:, 1:]
+    if not sp.sampling:
+        target = logits.argmax(-1)  # [B, k+1]: the accepted drafts equal it
+        return target, (drafts == target[:, :-1]).cumprod(1).sum(1) + 1
+    p = probs_from_logits(logits, sp.temperature[:, None], sp.top_p[:, None])  # [B, k+1, V]
+    positions = start[:, None] + 1 + torch.arange(n, device=start.device)  # of the token each row decides
+    residual, ok = p, torch.ones(B, 0, dtype=torch.long, device=start.device)
+    if n > 1:
+        px = p[:, :-1].gather(-1, drafts[..., None])[..., 0]  # [B, k]
+        qx = q.gather(-1, drafts[..., None])[..., 0]
+        ok = (uniform(sp.seeds[:, None], positions[:, :-1], ACCEPT, 1)[..., 0] * qx <= px).long()
+        residual = torch.cat([(p[:, :-1] - q).clamp(min=0), p[:, -1:]], 1)
+    a = ok.cumprod(1).sum(1)  # [B] accepted drafts
+    rows = torch.arange(B, device=start.device)
+    r = residual[rows, a]  # [B, V]: max(p - q, 0) at the first rejection, p after k acceptances
+    r = torch.where(r.amax(-1, keepdim=True) > 0, r, p[rows, a])  # (p == q: p itself)
+    last = sample(r, sp.seeds, positions[rows, a], TARGET)
+    emitted = torch.cat([drafts, last[:, None]], 1).scatter(1, a[:, None], last[:, None])
+    return emitted, a + 1
+
+
+# ---- Requests and results ----------------------------------------------------------------------------------
+@dataclass(eq=False)
 class Request:
     idx: int  # position in the caller's prompt list
     tokens: list  # prompt + generated so far
@@ -1684,14 +1304,16 @@ class Request:
     max_new_tokens: int
     temperature: float
     top_p: float
-    gen: torch.Generator
+    seed: int  # keys its random numbers (with each token's position)
     prefill_target: int  # prefill positions [0, target): the prompt
     num_cached: int = 0  # positions whose main-model KV is in the pool; decode phase: len(tokens) - 1
     pages: list = field(default_factory=list)
     swapped: tuple = None  # its KV in host memory while preempted (PagePool.swap_out)
     page_row: torch.Tensor = None  # `pages` as a tensor, rebuilt only when they change
-    draft: torch.Tensor = None  # [k] draft tokens for the next verify (on the device)
-    q: torch.Tensor = None  # [k, V] their draft distributions (sampling only)
+    draft: torch.Tensor = (
+        None  # [k] draft tokens for its next verify, on the device, while it is not in a batch
+    )
+    q: torch.Tensor = None  # [k, V] their distributions (drafted in a sampling batch)
     return_logits: bool = False  # keep the main-model logits row of every emitted token in `logits`
     on_tokens: object = None  # called as on_tokens(idx, [token]) for every emitted token
     logits: list = field(default_factory=list)
@@ -1704,8 +1326,8 @@ class Request:
 
     def emit(self, new_tokens, logits_rows, eos_id):
         """Append emitted tokens, stopping at EOS or max_new_tokens (a finished request retires after the
-        step)."""
-        for t, row in zip(new_tokens, logits_rows, strict=False):  # logits_rows may hold more rows
+        step). logits_rows: the main model's logits row of each (kept with return_logits)."""
+        for i, t in enumerate(new_tokens):
             if t == eos_id:
                 self.finish = "eos"
                 return
@@ -1713,7 +1335,7 @@ class Request:
                 break
             self.tokens.append(t)
             if self.return_logits:
-                self.logits.append(row.float().cpu())
+                self.logits.append(logits_rows[i].float().cpu())
             if self.on_tokens:
                 self.on_tokens(self.idx, [t])
         if len(self.generated) >= self.max_new_tokens:
@@ -1727,155 +1349,6 @@ class Result:
     accept_lengths: list
     logits: torch.Tensor = None
     finish_reason: str = None
-
-
-# LLM's integer arguments and their smallest values; None means automatic for kv_cache_bytes and max_context
-ENGINE_ARGS = dict(mtp=0, page_size=1, max_batch=1, max_prefill_tokens=1, kv_cache_bytes=1, max_context=1)
-# generate's numeric arguments: check_arg's (kind, low, high, open_low); the CLI checks them before loading
-SAMPLING = dict(
-    max_new_tokens=(int, 0, None, True), temperature=(float, 0), top_p=(float, 0, 1, True), seed=(int,)
-)
-FLAGS = ("return_logits", "thinking", "raw")
-
-
-def check_engine_args(args):
-    for name, low in ENGINE_ARGS.items():
-        automatic = name in ("kv_cache_bytes", "max_context") and args[name] is None
-        if not automatic:
-            check_arg(name, args[name], int, low)
-
-
-def check_device(device):
-    """The torch device for a user's `device` value (None: a GPU if there is one); under torchrun this
-    rank's GPU."""
-    try:
-        dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    except (RuntimeError, TypeError):
-        raise ValueError(f"unknown device {device!r}") from None
-    dev = init_distributed(dev)  # torchrun: join the ranks, take a GPU
-    n_gpus = torch.cuda.device_count()  # 0 without CUDA
-    require(dev.type in ("cpu", "cuda"), f"device {device!r}: nano-nsa runs on cpu or cuda")
-    if dev.type == "cuda":
-        require(n_gpus > 0, f"device {device!r}: CUDA is not available")
-        require((dev.index or 0) < n_gpus, f"device {device!r}: this machine has {n_gpus} CUDA devices")
-    return dev
-
-
-def check_pool_bytes(kv_cache_bytes, page_bytes, device):
-    """A KV pool of at least two pages (page 0 is the dummy page) and at most the device's memory."""
-    if kv_cache_bytes is None:
-        return
-    if device.type == "cuda":
-        memory = torch.cuda.mem_get_info(device)[1]
-    else:
-        memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    low = 2 * page_bytes
-    require(
-        kv_cache_bytes >= low,
-        f"kv_cache_bytes={kv_cache_bytes}: less than two pages of the KV pool ({low} bytes)",
-    )
-    too_big = f"kv_cache_bytes={kv_cache_bytes}: more than the {memory} bytes of {device.type} memory"
-    require(kv_cache_bytes <= memory, too_big)
-
-
-MIN_POOL_TOKENS = 4096  # the smallest KV pool worth loading a model for
-
-
-def weight_bytes(cfg: Config):
-    """(bytes every rank holds whole, bytes split over the ranks) of the parameters loading allocates, from
-    the layers' shapes on the meta device: split are Linear split, the vocabulary and the routed experts."""
-    with torch.device("meta"):
-        model = Transformer(cfg)
-    split_bytes = 0
-    whole_bytes = 0
-    for mod in model.modules():
-        split = isinstance(mod, Embedding) or getattr(mod, "split", None) is not None
-        for p in mod.parameters(recurse=False):
-            if split or p.dim() == 3:  # p.dim() == 3: stacked routed experts
-                split_bytes += p.numel() * p.element_size() * tp_size()
-            else:
-                whole_bytes += p.numel() * p.element_size()
-    return whole_bytes, split_bytes
-
-
-def check_fits(cfg: Config, device):
-    """Refuse, before allocating anything, a model whose share of the weights plus a minimal KV pool exceeds
-    this device's free memory (GPU) or the available RAM (CPU), saying what would fit."""
-    if device.type == "cuda":
-        free = torch.cuda.mem_get_info(device)[0]
-        where = f"{torch.cuda.get_device_name(device)} has {free / 1e9:.1f} GB free"
-    else:
-        free = available_ram()
-        where = f"this machine has {free / 1e9:.1f} GB of RAM available"
-    whole, split = weight_bytes(cfg)
-    kv = MIN_POOL_TOKENS * KVCache.bytes_per_token(cfg)
-    need = whole + split // tp_size() + kv
-    if need <= free:
-        return
-    why = f"the model needs {need / 1e9:.1f} GB per rank (weights + a {MIN_POOL_TOKENS}-token KV pool)"
-    why += f", but {where}"
-    allowed = [n for n in (1, 2, 4, 8, 16, 32, 64) if n > tp_size() and tp_sizes_ok(cfg, n)]
-    for n in allowed:
-        per_rank = whole + split // n + kv
-        if per_rank <= free:
-            raise ValueError(
-                f"{why}; it fits with torchrun --nproc-per-node {n} ({per_rank / 1e9:.1f} GB per rank)"
-            )
-    if allowed:
-        per_rank = whole + split // allowed[-1] + kv
-        why += f"; even torchrun --nproc-per-node {allowed[-1]} needs {per_rank / 1e9:.1f} GB per rank"
-    raise ValueError(why)
-
-
-def tp_sizes_ok(cfg: Config, n):
-    try:
-        cfg.check_tp(n)
-    except ValueError:
-        return False
-    return True
-
-
-def available_ram():
-    """MemAvailable from /proc/meminfo (what can be allocated without swapping), else the physical memory."""
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-
-
-def is_token_list(p):
-    return isinstance(p, (list, tuple)) and all(is_number(t, integer=True) for t in p)
-
-
-def check_generate_args(prompts, args, on_tokens):
-    """prompts as a list (a single prompt wrapped), after checking every argument of generate."""
-    if isinstance(prompts, str) or (is_token_list(prompts) and len(prompts) > 0):
-        prompts = [prompts]
-    is_list = isinstance(prompts, (list, tuple)) and all(
-        isinstance(p, str) or is_token_list(p) for p in prompts
-    )
-    require(
-        is_list, f"prompts must be a string, a list of token ids, or a list of those (got {prompts!r:.80})"
-    )
-    max_new = args["max_new_tokens"]
-    per_prompt = isinstance(max_new, (list, tuple))  # max_new_tokens: one value, or one per prompt
-    if per_prompt:
-        count = f"max_new_tokens has {len(max_new)} values for {len(prompts)} prompts"
-        require(len(max_new) == len(prompts), count)
-    for name, rule in SAMPLING.items():
-        values = [args[name]]
-        if name == "max_new_tokens" and per_prompt:
-            values = max_new
-        for value in values:
-            check_arg(name, value, *rule)
-    for name in FLAGS:
-        check_arg(name, args[name], bool)
-    require(on_tokens is None or callable(on_tokens), f"on_tokens must be a function (got {on_tokens!r:.80})")
-    return list(prompts)
 
 
 # ---- The KV page pool: a request owns pages; position p lives in slot pages[p // P] * P + p % P ------------
@@ -1957,10 +1430,9 @@ class PagePool:
 # ---- The scheduler: admission, chunked prefill, preemption -------------------------------------------------
 def round_lookahead(num_draft):
     """KV positions a decode round may write past a request's num_cached L as the host knows it, with k =
-    num_draft. A greedy batch keeps one round in flight (Runner.greedy_round), which moves L by up to k+1
-    before the host learns it; then verify writes L'..L'+k, accepting moves L' to at most L'+k+1, and the
-    k-1 draft steps write up to L'+2k-1. Reserved: (k+1) + 2k+1 (k = 0: the round in flight and one decode
-    row)."""
+    num_draft. The host keeps one round in flight (Runner.decode), which moves L by up to k+1 before the host
+    learns it; then verify writes L'..L'+k, accepting moves L' to at most L'+k+1, and the k-1 draft steps
+    write up to L'+2k-1. Reserved: (k+1) + 2k+1 (k = 0: the round in flight and one decode row)."""
     return 3 * num_draft + 2
 
 
@@ -2056,266 +1528,84 @@ class Scheduler:
         self.waiting = []
 
 
-# ---- The runner: a prefill step, and the speculative decode round in four phases ---------------------------
-# First the passes of a round as functions of the model (the CUDA graphs capture them), then the Runner.
-def decode_pass(model, cache, kind, tokens, meta, h=None, mtp_layer=0, head_rows=None):
-    """One forward pass of a decode round and its head -> (hidden, fp32 logits): 'verify' the main model
-    over k + 1 rows per request, logits of every row; 'extend' the MTP layer over the same rows, hidden and
-    logits of the rows `head_rows` only (one per request); 'draft' MTP, one row per request."""
-    if kind == "verify":
-        h = model(tokens, meta, cache)
-        return h, model.logits(h)
-    h = model.mtp_forward(tokens, h, meta, cache, mtp_layer)
-    if head_rows is not None:
-        h = h[head_rows]
-    return h, model.mtp[mtp_layer].logits(h)
+# ---- The speculative round: verify -> accept -> draft-extend -> draft, one function of device tensors ------
+@dataclass
+class Batch:
+    """A decode round's inputs, on the device, one row per request. The round overwrites tokens, start and q
+    with the next round's, so a batch that does not change goes on from them without the host."""
+
+    tokens: torch.Tensor  # [B, k+1] x_L (the last token), then the drafts d_1..d_k
+    start: torch.Tensor  # [B] L: the position of x_L (its KV and the drafts' are written this round)
+    q: torch.Tensor  # [B, k, V] the drafts' distributions (None: a greedy batch, or k = 0)
+    table: torch.Tensor  # [B, W] page-table rows
+    live: torch.Tensor  # [B] 1 for a request, 0 for a CUDA graph's padding row (which stays at position 0)
+    sp: Sampling
+    max_ctx: int  # host: a bound on the round's causal lengths
 
 
-def settle_greedy(tokens, logits, num_draft):
-    """Greedy acceptance on the device, for the rows x_L, d_1..d_k of each request (tokens [B*(k+1)]) and
-    their logits: the argmax of every row, and how many leading drafts equal it -> [B, k+2], each request's
-    argmax row then its number of accepted drafts (it emits the accepted drafts, then the argmax after
-    them)."""
-    n = num_draft + 1
-    target = logits.argmax(-1).view(-1, n)  # [B, k + 1]
-    drafts = tokens.view(-1, n)[:, 1:]
-    accepted = (drafts == target[:, :num_draft]).cumprod(1).sum(1)  # [B]
-    return torch.cat([target, accepted[:, None]], 1)
+def speculative_round(model, cache, batch: Batch):
+    """One decode round of every request of the batch, on the device with no host synchronization (a CUDA
+    graph captures it whole) -> (emitted [B, k+1], counts [B], the verify logits [B, k+1, V]); `batch` then
+    holds the next round's inputs. The four phases:
+    1. verify: the main model over x_L, d_1..d_k of every request, each a decode row of its own, with its own
+       position and causal length (the indexer masks each row's future before its top-k);
+    2. accept: the drafts the main model agrees with, then one token of its own (accept);
+    3. draft-extend: the MTP layer over the same rows, pairs (h_p, x_{p+1}) with the emitted tokens as the
+       x's; rows past what a request emitted write the dummy slot 0, so shapes do not depend on acceptance;
+    4. draft: k new drafts from the last emitted row (draft)."""
+    B, n = batch.tokens.shape
+    dev = batch.tokens.device
+    offsets = torch.arange(n, device=dev)
+    positions = (batch.start[:, None] + offsets).flatten()  # [B*(k+1)]: L..L+k
+    rows = torch.arange(B, device=dev).repeat_interleave(n)
+    meta = Meta("decode", positions, rows, batch.table, list(range(0, B * n + 1, n)), batch.max_ctx)
+    h = model(batch.tokens.flatten(), meta, cache)
+    logits = model.logits(h).view(B, n, -1)
+    emitted, counts = accept(batch.tokens, logits, batch.q, batch.sp, batch.start)
+    next_tokens = emitted  # (k = 0: the one token emitted)
+    if n > 1:
+        kept = (offsets < counts[:, None]).flatten()  # [B*(k+1)] the rows whose x was emitted
+        extend = replace(meta, slots=meta.slots * kept)
+        h = model.mtp_forward(emitted.flatten() * kept, h, extend, cache)
+        h = h[torch.arange(B, device=dev) * n + counts - 1]  # each request's last emitted row
+        start = batch.start + counts  # L': the position of the last emitted token
+        drafts, q = draft(model, cache, h, model.mtp[0].logits(h), start, batch, n - 1)
+        next_tokens = torch.cat([emitted.gather(1, counts[:, None] - 1), drafts], 1)
+        if batch.q is not None:
+            batch.q.copy_(q)
+    batch.tokens.copy_(next_tokens)
+    batch.start.add_(counts * batch.live)
+    return emitted, counts, logits
 
 
-def extend_rows(meta, emitted, counts):
-    """Draft-extend's inputs, on the device, from the first counts[b] tokens of each row b of emitted [B,
-    k+1] (the tokens request b emitted this round): the x's of its rows (0 past them), its Meta (rows past
-    them, a finished request's all, are padding: they write the dummy slot 0) and each request's last
-    emitted row."""
-    B, n = emitted.shape
-    keep = (torch.arange(n, device=emitted.device) < counts[:, None]).long()
-    meta = replace(meta, slots=meta.slots * keep.flatten())
-    last_emitted = torch.arange(B, device=emitted.device) * n + counts - 1
-    return (emitted * keep).flatten(), meta, last_emitted
+def draft(model, cache, h, logits, start, batch, k):
+    """k draft tokens per request, on the device: d_1 from the MTP logits of the row just run at position
+    start - 1 (its hidden state h [B, dim]), then k-1 MTP decode steps at positions start, start + 1, ..., each
+    fed the draft before, their Meta made here from those positions. start [B]: the position of each request's
+    last token x_L; batch: its table, sampling and context bound. -> (drafts [B, k], their distributions q [B,
+    k, V], None for a greedy batch)."""
+    B = len(start)
+    rows = torch.arange(B, device=start.device)
+    tokens, dists = [], []
+    for step in range(k):
+        if step:
+            meta = Meta("decode", start + step - 1, rows, batch.table, list(range(B + 1)), batch.max_ctx)
+            layer = min(step, len(model.mtp) - 1)
+            h = model.mtp_forward(tokens[-1], h, meta, cache, layer)
+            logits = model.mtp[layer].logits(h)
+        token, q = draw(logits, batch.sp, start + step + 1, DRAFT)
+        tokens.append(token)
+        dists.append(q)
+    q = torch.stack(dists, 1) if batch.sp.sampling else None
+    return torch.stack(tokens, 1), q
 
 
-def greedy_round_pass(model, cache, num_draft, tokens, meta):
-    """A greedy batch's decode round on the device, for one CUDA graph: verify (decode_pass), settle_greedy,
-    then draft-extend over the verify rows with the emitted tokens as its x's (extend_rows) and num_draft - 1
-    MTP steps, each fed the previous argmax, their metadata made on the device -> (settled [B, k+2], verify
-    logits [B*(k+1), V], next drafts [B, k]). (The draft steps' Meta has no exact ctx_host: only the kernels
-    run this pass.)"""
-    h, logits = decode_pass(model, cache, "verify", tokens, meta)
-    settled = settle_greedy(tokens, logits, num_draft)
-    if num_draft == 0:
-        return settled, logits, settled[:, :0]
-    target, accepted = settled[:, :-1], settled[:, -1]
-    next_tokens, extend_meta, last_emitted = extend_rows(meta, target, accepted + 1)
-    h, draft_logits = decode_pass(model, cache, "extend", next_tokens, extend_meta, h, 0, last_emitted)
-    drafts = [draft_logits.argmax(-1)]
-    starts = meta.positions.view(-1, num_draft + 1)[:, 0] + accepted + 1  # num_cached after accept
-    rows = torch.arange(len(starts), device=starts.device)
-    for step in range(1, num_draft):
-        pos = starts + (step - 1)
-        step_meta = replace(
-            meta,
-            positions=pos,
-            slots=meta.table[rows, pos],
-            row_req=rows,
-            ctx_lens=pos + 1,
-            cu_seqlens=list(range(len(rows) + 1)),
-            ctx_host=torch.ones(len(rows), dtype=torch.long),
-        )
-        mtp_layer = min(step, len(model.mtp) - 1)
-        h, draft_logits = decode_pass(model, cache, "draft", drafts[-1], step_meta, h, mtp_layer)
-        drafts.append(draft_logits.argmax(-1))
-    return settled, logits, torch.stack(drafts, 1)
-
-
-class Runner:
-    """Runs the model over the scheduler's steps. A decode round, with k = num_draft draft tokens per
-    request, lays out rows_per_request = k + 1 rows per request: the last token x_L and the drafts d_1..d_k
-    at positions L..L+k. Verify runs them through the main model; accept keeps the drafts the main model
-    agrees with plus one token of its own; draft-extend runs the MTP layer over the same rows (so its
-    shapes and metadata do not depend on what was accepted); draft proposes the next k tokens. Every row is
-    a decode row with its own causal length."""
-
-    def __init__(self, model: Transformer, cache: KVCache, pool: PagePool, num_draft, graphs=None):
-        self.model = model
-        self.cfg = model.cfg
-        self.cache = cache
-        self.pool = pool
-        self.num_draft = num_draft
-        self.rows_per_request = num_draft + 1
-        self.graphs = graphs
-        self.device = cache.latent.device
-        self.in_flight = None  # a greedy round launched and not yet accepted: (its requests, its outputs)
-
-    def forward(self, kind, tokens, meta, h=None, mtp_layer=0, head_rows=None):
-        """A forward pass of the decode round and its head (decode_pass), replayed from a CUDA graph where
-        the engine has them."""
-        if self.graphs:
-            return self.graphs.run(kind, tokens, meta, h, mtp_layer, head_rows)
-        return decode_pass(self.model, self.cache, kind, tokens, meta, h, mtp_layer, head_rows)
-
-    def prefill(self, chunks):
-        """Prompt chunks [(request, first position, length)] through the main model, then the MTP layer
-        over the same rows. A request whose prompt is done samples its first token (a fresh one) and
-        drafts."""
-        reqs, starts, lens = zip(*chunks, strict=True)
-        meta = Meta.build("prefill", starts, lens, self.pool.table(reqs))
-        tokens = torch.tensor([t for r, s, n in chunks for t in r.tokens[s : s + n]], device=self.device)
-        h = self.model(tokens, meta, self.cache)
-        last = [end - 1 for end in meta.cu_seqlens[1:]]  # each chunk's last row
-        logits = self.model.logits(h[last])
-        for b, (r, _, n) in enumerate(chunks):
-            r.num_cached += n
-            if r.num_cached == len(r.tokens):  # the prompt is done: sample its first token
-                r.emit([sample(r, logits[b])], logits[b : b + 1], self.cfg.eos_token_id)
-        if self.num_draft == 0:
-            return
-        # the MTP layer over the same rows: position p pairs the main hidden h_p with the next token x_{p+1}
-        live = [r.finish is None for r in reqs]
-        next_tokens = [
-            r.tokens[s + i + 1] if ok else 0
-            for (r, s, n), ok in zip(chunks, live, strict=True)
-            for i in range(n)
-        ]
-        hm = self.model.mtp_forward(torch.tensor(next_tokens, device=self.device), h, meta, self.cache)
-        done = [b for b, r in enumerate(reqs) if live[b] and r.num_cached == r.prefill_target]
-        if done:
-            hm = hm[[last[b] for b in done]]
-            self.draft([reqs[b] for b in done], hm, self.model.mtp[0].logits(hm))
-
-    def decode_round(self, reqs):
-        """verify -> accept -> draft-extend -> draft, with one read-back of the GPU. A greedy batch under CUDA
-        graphs runs the four phases as one graph (greedy_round)."""
-        if self.graphs and all(r.temperature == 0 for r in reqs):
-            self.greedy_round(reqs)
-            return
-        self.accept_in_flight()
-        meta, tokens = self.verify_rows(reqs)
-        h, logits = self.forward("verify", tokens, meta)
-        settled = settle_greedy(tokens, logits, self.num_draft)
-        logits = logits.view(len(reqs), self.rows_per_request, -1)
-        emitted = self.accept(reqs, logits, settled.tolist())  # the round's one read-back
-        live = [b for b, new in enumerate(emitted) if new]  # requests that go on
-        if self.num_draft == 0 or not live:
-            return
-        hm, logits = self.draft_extend(meta, h, emitted, live)
-        self.draft([reqs[b] for b in live], hm, logits)
-
-    def greedy_round(self, reqs):
-        """A greedy batch's round as one CUDA graph replay (greedy_round_pass: verify, acceptance settled on
-        the device, draft-extend over the emitted tokens, the draft steps), which also leaves the next
-        round's inputs on the device. So while the same batch goes on, round n+1 is launched before round n
-        is read back and accepted: the host accepts round n while the GPU runs round n+1. A batch that
-        changes (a request finished, joined or was preempted) first accepts the round in flight, then starts
-        from the host's state. A request that finishes drafts on for a round, into its own pages."""
-        previous = self.in_flight
-        launched = None
-        if previous is not None and [id(r) for r in previous[0]] == [id(r) for r in reqs]:  # the same batch
-            reach = max(r.num_cached for r in reqs) + round_lookahead(self.num_draft)  # a bound: see there
-            launched = self.graphs.go_on(len(reqs), self.pool.table(reqs), reach)
-        if launched is None:  # a new batch (or a context bound whose graph is not captured yet)
-            self.accept_in_flight()
-            previous = None
-            meta, tokens = self.verify_rows(reqs)
-            launched = self.graphs.run("greedy", tokens, meta)
-        if any(r.return_logits for r in reqs):  # the next replay overwrites them
-            read_back, logits, drafts = launched
-            launched = (read_back, logits.clone(), drafts)
-        self.in_flight = (reqs, launched)
-        if previous is not None:
-            self.accept_launched(*previous)
-
-    def accept_in_flight(self):
-        """Accept the greedy round in flight, if there is one."""
-        if self.in_flight is not None:
-            self.accept_launched(*self.in_flight)
-            self.in_flight = None
-
-    def accept_launched(self, reqs, launched):
-        """Read a launched greedy round back (its one read-back), accept it, and keep each request's next
-        drafts."""
-        read_back, logits, drafts = launched
-        logits = logits.view(len(reqs), self.rows_per_request, -1)
-        emitted = self.accept(reqs, logits, read_back())
-        for b, new in enumerate(emitted):
-            if new and self.num_draft:
-                reqs[b].draft = drafts[b]
-                reqs[b].q = None
-
-    def verify_rows(self, reqs):
-        """The verify rows of every request: x_L, d_1..d_k at positions L..L+k -> (meta, tokens [B*(k+1)])."""
-        mode = "verify" if self.num_draft else "decode"
-        starts = [r.num_cached for r in reqs]
-        meta = Meta.build(mode, starts, [self.rows_per_request] * len(reqs), self.pool.table(reqs))
-        last = to_device(torch.tensor([r.tokens[-1] for r in reqs]), self.device)  # [B]
-        if not self.num_draft:
-            return meta, last
-        drafts = torch.stack([r.draft for r in reqs])  # [B, k]
-        return meta, torch.cat([last[:, None], drafts], 1).flatten()
-
-    def accept(self, reqs, logits, greedy):
-        """The tokens each request emits this round. Greedy: the longest prefix of drafts equal to the main
-        model's argmax, then its argmax after them, settled on the device (settle_greedy): `greedy` holds
-        each request's argmax row and its number of accepted drafts, read back. Sampling: the rejection test
-        of speculative_accept (the output follows the main model's distribution)."""
-        k = self.num_draft
-        emitted = []
-        for b, r in enumerate(reqs):
-            if r.finish is not None:  # finished in the round before (a greedy round in flight)
-                emitted.append([])
-                continue
-            if r.temperature == 0:
-                new = greedy[b][: greedy[b][-1] + 1]  # the accepted drafts, then the argmax
-            elif k:
-                new = speculative_accept(r.draft.tolist(), r.q, logits[b], r.temperature, r.top_p, r.gen)
-            else:
-                new = [sample(r, logits[b, 0])]
-            if k:
-                r.accept_lengths.append(len(new))
-            r.num_cached += len(new)  # x_L and the accepted drafts now have KV
-            r.emit(new, logits[b], self.cfg.eos_token_id)
-            emitted.append(new if r.finish is None else [])
-        return emitted
-
-    def draft_extend(self, meta, h, emitted, live):
-        """The MTP layer over the verify rows, pairs (h_{L+j}, x_{L+j+1}): the emitted tokens are the x's
-        (extend_rows). -> (MTP hidden, MTP logits) of the last emitted row of each request in `live`."""
-        n = self.rows_per_request
-        padded = [t for new in emitted for t in new + [0] * (n - len(new))]
-        host = torch.tensor(padded + [len(new) for new in emitted] + live)
-        sizes = [len(padded), len(emitted), len(live)]
-        tokens, counts, live_rows = to_device(host, self.device).split(sizes)
-        next_tokens, meta, last_emitted = extend_rows(meta, tokens.view(-1, n), counts)
-        return self.forward("extend", next_tokens, meta, h, head_rows=last_emitted[live_rows])
-
-    def draft(self, reqs, h, logits):
-        """k draft tokens per request, left on the device (r.draft [k]): the first from the MTP logits of
-        the row that just ran at position L-1 (h its hidden state); the rest from k-1 MTP decode steps at
-        L, L+1, ..., each fed the previous draft, over one Meta built once and shifted per step."""
-        chosen = [pick_drafts(reqs, logits)]  # (tokens [B], q per request) of each draft step
-        meta = None
-        for step in range(1, self.num_draft):
-            if step == 1:
-                meta = Meta.build(
-                    "decode", [r.num_cached for r in reqs], [1] * len(reqs), self.pool.table(reqs)
-                )
-            else:
-                meta = meta.step(1)
-            mtp_layer = min(step, len(self.model.mtp) - 1)
-            h, logits = self.forward("draft", chosen[-1][0], meta, h, mtp_layer)
-            chosen.append(pick_drafts(reqs, logits))
-        drafts = torch.stack([tokens for tokens, _ in chosen], 1)  # [B, k]
-        for b, r in enumerate(reqs):
-            r.draft = drafts[b]
-            r.q = None
-            if r.temperature > 0:
-                r.q = torch.stack([q[b] for _, q in chosen])
-
-
-# ---- CUDA graphs: the decode round's forward passes captured per batch-size bucket -------------------------
 def start_read_back(x):
-    """Start copying x (CUDA) to the host without waiting -> a function that waits for that copy and returns
-    x.tolist(): pinned memory and an event, so that work queued after the copy need not finish first."""
+    """Start copying x to the host without waiting -> a function that waits for the copy and returns
+    x.tolist() (CUDA: pinned memory and an event, so that work queued after the copy need not finish
+    first)."""
+    if x.device.type != "cuda":
+        return x.tolist
     host = torch.empty(x.shape, dtype=x.dtype, pin_memory=True)
     host.copy_(x, non_blocking=True)
     copied = torch.cuda.Event()
@@ -2328,6 +1618,129 @@ def start_read_back(x):
     return wait
 
 
+# ---- The runner: a prefill step, or a speculative round of every running request ---------------------------
+class Runner:
+    """Runs the scheduler's steps. A prefill step runs the main model over prompt chunks, then the MTP layer
+    over the same rows, and a request whose prompt is done draws its first token and drafts. A decode round
+    is speculative_round over every running request (from a CUDA graph where the engine has them), read back
+    once. While the batch stays the same the host launches round n+1 from the inputs round n left on the
+    device before it reads round n back, and accepts round n while the GPU runs round n+1. A request that
+    finishes drafts on for that round, into its own pages."""
+
+    def __init__(self, model: Transformer, cache: KVCache, pool: PagePool, num_draft, graphs=None):
+        self.model = model
+        self.cfg = model.cfg
+        self.cache = cache
+        self.pool = pool
+        self.num_draft = num_draft
+        self.graphs = graphs
+        self.device = cache.latent.device
+        self.batch = None  # the last round's Batch: the next round's inputs
+        self.launched = None  # (requests, read back) of the round launched and not accepted yet
+
+    def prefill(self, chunks):
+        """Prompt chunks [(request, first position, length)] through the main model and the MTP layer."""
+        reqs, starts, lens = zip(*chunks, strict=True)
+        meta = Meta.build("prefill", starts, lens, self.pool.table(reqs))
+        tokens = torch.tensor([t for r, s, n in chunks for t in r.tokens[s : s + n]], device=self.device)
+        h = self.model(tokens, meta, self.cache)
+        last = [end - 1 for end in meta.cu_seqlens[1:]]  # each chunk's last row
+        for r, _, n in chunks:
+            r.num_cached += n
+        done = [b for b, r in enumerate(reqs) if r.num_cached == r.prefill_target]
+        if done:  # the prompt is done: its first token, at position num_cached
+            logits = self.model.logits(h[[last[b] for b in done]])
+            done_reqs = [reqs[b] for b in done]
+            start = to_device(torch.tensor([r.num_cached for r in done_reqs]), self.device)
+            first, _ = draw(logits, Sampling.of(done_reqs, self.device), start, TARGET)
+            for r, t, row in zip(done_reqs, first.tolist(), logits, strict=True):
+                r.emit([t], row[None], self.cfg.eos_token_id)
+        if self.num_draft:  # the MTP layer's KV of the same rows, and the drafts of prompts that are done
+            self.prefill_mtp(chunks, h, meta, [b for b in done if reqs[b].finish is None])
+
+    def prefill_mtp(self, chunks, h, meta, going):
+        """The MTP layer over a prefill step's rows: position p pairs the main hidden h_p with the next token
+        x_{p+1}; the requests `going` (their prompt done, not finished) then draft from their last row."""
+        reqs = [r for r, _, _ in chunks]
+        next_tokens = [r.tokens[s + i + 1] if r.finish is None else 0 for r, s, n in chunks for i in range(n)]
+        h = self.model.mtp_forward(torch.tensor(next_tokens, device=self.device), h, meta, self.cache)
+        if not going:
+            return
+        drafting = [reqs[b] for b in going]
+        h = h[[meta.cu_seqlens[b + 1] - 1 for b in going]]
+        start = to_device(torch.tensor([r.num_cached for r in drafting]), self.device)
+        bound = max(r.num_cached for r in drafting) + self.num_draft
+        batch = Batch(
+            None, None, None, self.pool.table(drafting), None, Sampling.of(drafting, self.device), bound
+        )
+        drafts, q = draft(
+            self.model, self.cache, h, self.model.mtp[0].logits(h), start, batch, self.num_draft
+        )
+        for b, r in enumerate(drafting):
+            r.draft, r.q = drafts[b], None if q is None else q[b]
+
+    def decode(self, reqs):
+        """One speculative round of `reqs`: launched from the inputs the last round left on the device while
+        the batch stays the same, else (accepting the round in flight first) from the host's state."""
+        same = self.launched is not None and self.launched[0] == reqs
+        if same:  # the pages reserved since, and a bound on contexts the host knows only roughly
+            self.batch.table = self.pool.table(reqs)
+            self.batch.max_ctx = max(r.num_cached for r in reqs) + round_lookahead(self.num_draft)
+        else:
+            self.settle()
+            self.batch = self.new_batch(reqs)
+        if self.graphs:
+            self.batch, (emitted, counts, logits) = self.graphs.run(self.batch)
+        else:
+            emitted, counts, logits = speculative_round(self.model, self.cache, self.batch)
+        if any(r.return_logits for r in reqs):  # (a CUDA graph's next replay overwrites them)
+            logits = logits.clone()
+        launched = (reqs, start_read_back(torch.cat([emitted, counts[:, None]], 1)), logits)
+        previous, self.launched = (self.launched if same else None), launched
+        if previous:
+            self.accept(*previous)
+
+    def new_batch(self, reqs):
+        """A round's inputs from the host's state: each request's last token, position and drafts."""
+        k = self.num_draft
+        host = to_device(torch.tensor([[r.tokens[-1], r.num_cached] for r in reqs]), self.device)
+        tokens = host[:, :1]
+        sp = Sampling.of(reqs, self.device)
+        q = None
+        if k:
+            tokens = torch.cat([tokens, torch.stack([r.draft for r in reqs])], 1)
+        if k and sp.sampling:  # a request drafted in a greedy batch drew its drafts from one-hot q
+            V = self.cfg.vocab_size
+            q = torch.stack([r.q if r.q is not None else F.one_hot(r.draft, V) for r in reqs])
+            q = q.to(acc_dtype(tokens))
+        bound = max(r.num_cached for r in reqs) + round_lookahead(k)
+        live = torch.ones(len(reqs), dtype=torch.long, device=self.device)
+        return Batch(tokens, host[:, 1].clone(), q, self.pool.table(reqs), live, sp, bound)
+
+    def settle(self):
+        """Accept the round in flight, if any, and keep each request's next drafts (the batch will change)."""
+        if self.launched is None:
+            return
+        reqs = self.launched[0]
+        self.accept(*self.launched)
+        self.launched = None
+        for b, r in enumerate(reqs):
+            r.draft = self.batch.tokens[b, 1:].clone()
+            r.q = None if self.batch.q is None else self.batch.q[b].clone()
+
+    def accept(self, reqs, read_back, logits):
+        """Apply a launched round to its requests (its one read-back): each emits its accepted tokens."""
+        for b, (r, row) in enumerate(zip(reqs, read_back(), strict=True)):
+            if r.finish is not None:  # it finished the round before (this round was in flight)
+                continue
+            new = row[: row[-1]]
+            if self.num_draft:
+                r.accept_lengths.append(len(new))
+            r.num_cached += len(new)  # x_L and the accepted drafts now have KV
+            r.emit(new, logits[b], self.cfg.eos_token_id)
+
+
+# ---- CUDA graphs: the speculative round captured per batch-size bucket -------------------------------------
 def graph_buckets(max_bs, rows_per_req, tp=1):
     """Batch sizes captured for rows_per_req rows per request: 1, 2, 4, 8, then every 16 up to the first >=
     max_bs, those whose rows split evenly over tp ranks (SGLang's rule: at TP 8, bs=1 with 4 rows pads to
@@ -2338,188 +1751,127 @@ def graph_buckets(max_bs, rows_per_req, tp=1):
 
 
 class CudaGraphs:
-    """The decode round's forward passes as CUDA graphs, one per batch-size bucket and context bound (the
-    indexer's width is a shape: index_topk at start, powers of two above it on first use): 'greedy' (a
-    greedy batch's whole round, greedy_round_pass), and for sampling batches 'verify', 'extend' and 'draft'
-    (see Runner.forward). A replay copies the step's inputs into static buffers (padding rows write the
-    dummy slot 0)."""
+    """speculative_round as CUDA graphs, one per batch-size bucket, context bound (the indexer's width is a
+    shape: index_topk, else the next power of two) and kind of batch (greedy, or sampling: its distributions
+    are work of their own), each captured when a batch first needs it. A replay reads the round's inputs
+    from one set of static buffers and leaves the next round's there; padding rows sit at position 0 of
+    page-table rows of zeros, so they write the dummy slot 0."""
 
     def __init__(self, model: Transformer, cache: KVCache, num_draft, max_batch, max_context, page_size):
-        cfg, dev = model.cfg, cache.latent.device
-        t0 = time.perf_counter()
-        self.model = model
-        self.cache = cache
-        self.num_draft = num_draft
-        self.rows = dict(greedy=num_draft + 1, verify=num_draft + 1, extend=num_draft + 1, draft=1)
-        kinds = ["greedy", "verify"] + ["extend"] * (num_draft > 0) + ["draft"] * (num_draft > 1)
-        self.buckets = {kind: graph_buckets(max_batch, self.rows[kind], tp_size()) for kind in kinds}
-        max_bs = max(b[-1] for b in self.buckets.values())
-        rows = max_bs * (num_draft + 1)
-        # the furthest position a round writes, and one
-        context = max_context + round_lookahead(num_draft) + 1
+        self.model, self.cache = model, cache
+        self.buckets = graph_buckets(max_batch, num_draft + 1, tp_size())
+        bs, dev = self.buckets[-1], cache.latent.device
+        context = (
+            max_context + round_lookahead(num_draft) + 1
+        )  # the furthest position a round writes, and one
         self.max_width = -(-context // page_size) * page_size
-        self.tokens = torch.zeros(rows, dtype=torch.long, device=dev)
-        self.positions = torch.zeros(rows, dtype=torch.long, device=dev)
-        self.slots = torch.zeros(rows, dtype=torch.long, device=dev)
-        self.ctx = torch.zeros(rows, dtype=torch.long, device=dev)
-        self.h = torch.zeros(rows, cfg.dim, dtype=BF16, device=dev)
-        self.head_rows = torch.zeros(max_bs, dtype=torch.long, device=dev)  # one row per request (extend)
-        self.live = torch.zeros(rows, dtype=torch.long, device=dev)  # 1 for a request's rows, 0 for padding
-        self.inputs_left = False  # whether the buffers hold the next inputs of the last greedy replay
-        self.table = torch.zeros(max_bs, self.max_width, dtype=torch.long, device=dev)
-        self.graphs = {}
-        self.pool = None
-        for kind in kinds:
-            for bs in self.buckets[kind]:
-                self.capture(kind, bs, self.width(cfg.index_topk), self.first_mtp_layer(kind))
-        captured = ", ".join(f"{kind} bs {','.join(map(str, b))}" for kind, b in self.buckets.items())
-        print(
-            f"nano-nsa: captured {len(self.graphs)} CUDA graphs in {time.perf_counter() - t0:.1f} s: "
-            f"{captured}"
-            f" (contexts <= {cfg.index_topk}; longer ones are captured on first use)",
-            file=sys.stderr,
+        zeros = dict(dtype=torch.long, device=dev)
+        sp = Sampling(
+            torch.zeros(bs, **zeros), torch.zeros(bs, device=dev), torch.ones(bs, device=dev), False
         )
-
-    def first_mtp_layer(self, kind):
-        """The MTP layer a pass starts on: draft-extend the first, draft steps the second where there is
-        one."""
-        if kind == "draft":
-            return min(1, self.model.cfg.n_mtp_layers - 1)
-        return 0
+        table = torch.zeros(bs, self.max_width, **zeros)
+        self.static = Batch(
+            torch.zeros(bs, num_draft + 1, **zeros),
+            torch.zeros(bs, **zeros),
+            None,
+            table,
+            torch.zeros(bs, **zeros),
+            sp,
+            0,
+        )
+        self.graphs = {}
+        self.pool = None  # one memory pool for all of them
 
     def width(self, max_ctx):
-        """The context bound a step runs under: index_topk, or the next power of two (the indexer's score
-        width)."""
+        """The context bound a round runs under: index_topk, or the next power of two (the indexer's width)."""
         topk = self.model.cfg.index_topk
         if max_ctx <= topk:
             return topk
         return min(1 << (max_ctx - 1).bit_length(), self.max_width)
 
-    def capture(self, kind, bs, width, mtp_layer):
-        model, n = self.model, self.rows[kind]
-        T = bs * n
-        meta = Meta(
-            "decode",
-            positions=self.positions[:T],
-            slots=self.slots[:T],
-            row_req=torch.arange(bs, device=self.tokens.device).repeat_interleave(n),
-            table=self.table[:bs, :width],
-            ctx_lens=self.ctx[:T],
-            cu_seqlens=list(range(0, T + 1, n)),
-            ctx_host=torch.ones(T, dtype=torch.long),
-            max_ctx=width,
-        )
-        self.positions[:T] = 0  # the warm-up below runs: every row writes the dummy slot 0
-        self.slots[:T] = 0
-        self.ctx[:T] = 1
-        self.table[:bs, :width] = 0  # ('greedy' reads its slots from the table)
-        self.head_rows[:bs] = 0  # (a larger batch's rows may be left there)
+    def run(self, batch: Batch):
+        """Replay the round for `batch` -> (the static buffers' view of it, which holds the next round's inputs
+        after the replay, the round's outputs)."""
+        B, s = len(batch.tokens), self.static
+        bs = next(b for b in self.buckets if b >= B)
+        key = (bs, self.width(batch.max_ctx), batch.sp.sampling)
+        if batch.tokens.data_ptr() != s.tokens.data_ptr():  # inputs from the host: copied in, padded
+            self.load(batch, B, bs)
+        s.table[:B, : batch.table.shape[1]] = batch.table  # the pages reserved since the last round
+        s.table[B:bs, : key[1]] = 0  # (so every position of a padding row is the dummy slot)
+        if key not in self.graphs:
+            self.capture(key)
+        graph, out = self.graphs[key]
+        graph.replay()
+        view = self.view(B, key[1], batch.sp.sampling)
+        view.max_ctx = batch.max_ctx
+        return view, tuple(o[:B] for o in out)
 
-        head_rows = None
-        if kind == "extend":
-            head_rows = self.head_rows[:bs]
+    def load(self, batch, B, bs):
+        s = self.static
+        if batch.q is not None and s.q is None:  # the first sampling batch: drafts' distributions
+            s.q = torch.zeros(len(s.tokens), *batch.q.shape[1:], dtype=batch.q.dtype, device=batch.q.device)
+        for mine, theirs in (
+            (s.tokens, batch.tokens),
+            (s.start, batch.start),
+            (s.live, batch.live),
+            (s.sp.seeds, batch.sp.seeds),
+            (s.sp.temperature, batch.sp.temperature),
+            (s.sp.top_p, batch.sp.top_p),
+        ):
+            mine[:B] = theirs
+            mine[B:bs] = 0
+        s.sp.top_p[B:bs] = 1
+        if batch.q is not None:
+            s.q[:B] = batch.q
 
-        def forward():
-            if kind == "greedy":
-                return self.greedy_pass(meta, T)
-            tokens, h = self.tokens[:T], self.h[:T]
-            return decode_pass(model, self.cache, kind, tokens, meta, h, mtp_layer, head_rows)
+    def view(self, bs, width, sampling):
+        s = self.static
+        sp = Sampling(s.sp.seeds[:bs], s.sp.temperature[:bs], s.sp.top_p[:bs], sampling)
+        q = s.q[:bs] if sampling and s.q is not None else None
+        return Batch(s.tokens[:bs], s.start[:bs], q, s.table[:bs, :width], s.live[:bs], sp, width)
 
-        forward()  # warm-up: compiles and autotunes kernels
+    def capture(self, key):
+        """Capture the round for (bucket, context bound, sampling), after a warm-up that builds its kernels,
+        on inputs every row of which writes the dummy slot 0; the static inputs are kept as they were."""
+        t0 = time.perf_counter()
+        bs, width, sampling = key
+        kept = [t.clone() for t in self.tensors()]
+        for t in self.tensors():
+            t.zero_()
+        batch = self.view(bs, width, sampling)
+        speculative_round(self.model, self.cache, batch)  # warm-up: compiles and autotunes kernels
         torch.cuda.synchronize()
         graph = torch.cuda.CUDAGraph()
         gc.disable()  # an old engine's graphs, freed by the collector during a capture, would break it
         try:
             with torch.cuda.graph(graph, self.pool):
-                out = forward()
+                out = speculative_round(self.model, self.cache, batch)
         finally:
             gc.enable()
-        self.pool = self.pool or graph.pool()  # all graphs share one memory pool
-        self.graphs[kind, bs, width, mtp_layer] = (graph, meta, out)
+        for t, saved in zip(self.tensors(), kept, strict=True):
+            t.copy_(saved)
+        self.pool = self.pool or graph.pool()
+        self.graphs[key] = (graph, out)
+        kind = "sampling" if sampling else "greedy"
+        took = time.perf_counter() - t0
+        print(
+            f"nano-nsa: captured the {kind} round for bs {bs}, contexts <= {width} in {took:.2f} s",
+            file=sys.stderr,
+        )
 
-    def greedy_pass(self, meta, T):
-        """greedy_round_pass over the first T static rows, its slots read from the page table in the graph;
-        then it writes the next round's inputs over its own: each request's argmax after its accepted
-        drafts, its next drafts, and its positions moved past what it emitted (padding rows stay at 0)."""
-        positions = self.positions[:T]
-        meta = replace(meta, slots=meta.table[meta.row_req, positions], ctx_lens=positions + 1)
-        out = greedy_round_pass(self.model, self.cache, self.num_draft, self.tokens[:T], meta)
-        settled, _, drafts = out
-        accepted = settled[:, -1]
-        last = settled.gather(1, accepted[:, None])  # [B, 1] the argmax after the accepted drafts: x_L'
-        self.tokens[:T] = torch.cat([last, drafts], 1).flatten()
-        moved = (accepted + 1).repeat_interleave(self.num_draft + 1) * self.live[:T]
-        self.positions[:T] = positions + moved
-        return out
-
-    def run(self, kind, tokens, meta, h=None, mtp_layer=0, head_rows=None):
-        self.inputs_left = False
-        n, B = self.rows[kind], meta.table.shape[0]
-        bs = next(b for b in self.buckets[kind] if b >= B)
-        reach = meta.max_ctx
-        if kind == "greedy":  # its draft steps run k - 1 positions past the verify rows
-            reach += self.num_draft
-        width = self.width(reach)
-        if (kind, bs, width, mtp_layer) not in self.graphs:
-            t0 = time.perf_counter()
-            self.capture(kind, bs, width, mtp_layer)
-            took = time.perf_counter() - t0
-            print(
-                f"nano-nsa: captured the {kind} graph for bs {bs}, contexts <= {width} in {took:.2f} s",
-                file=sys.stderr,
-            )
-        graph, static, out = self.graphs[kind, bs, width, mtp_layer]
-        T, padded = B * n, bs * n
-        self.tokens[:T] = tokens
-        self.positions[:T] = meta.positions
-        self.slots[:T] = meta.slots
-        self.ctx[:T] = meta.ctx_lens
-        if h is not None:
-            self.h[:T] = h
-        self.positions[T:padded] = 0  # padding rows: write the dummy slot, read one position
-        self.slots[T:padded] = 0
-        self.ctx[T:padded] = 1
-        self.table[:B, : meta.table.shape[1]] = meta.table
-        self.table[B:bs, :width] = 0  # (so every position of a padding row is the dummy slot)
-        rows = T
-        if head_rows is not None:
-            rows = len(head_rows)
-            self.head_rows[:rows] = head_rows
-            self.head_rows[rows:bs] = 0
-        if kind == "greedy":  # its rows that move on to the next round (see greedy_pass)
-            self.live[:T] = 1
-            self.live[T:padded] = 0
-            return self.replay_greedy(graph, out, B)
-        graph.replay()
-        h_out, logits = out
-        return h_out[:rows], logits[:rows]
-
-    def go_on(self, B, table, reach):
-        """Replay a greedy batch's round on the inputs its last replay left in the static buffers (the same B
-        requests in the same order), with the page table as it is now (`reach`: a bound on the round's
-        contexts) -> as run; None where the graph of that context bound is not captured yet."""
-        bs = next(b for b in self.buckets["greedy"] if b >= B)
-        key = ("greedy", bs, self.width(reach), 0)
-        if not self.inputs_left or key not in self.graphs:
-            return None
-        self.table[:B, : table.shape[1]] = table  # the pages reserved since
-        graph, _, out = self.graphs[key]
-        return self.replay_greedy(graph, out, B)
-
-    def replay_greedy(self, graph, out, B):
-        """-> (a function that waits for the round's settled rows [B, k+2] and returns them as lists, its
-        logits [B*(k+1), V] (static: the next replay overwrites them), its next drafts [B, k])."""
-        graph.replay()
-        self.inputs_left = True
-        settled, logits, drafts = out
-        return start_read_back(settled[:B]), logits[: B * (self.num_draft + 1)], drafts[:B].clone()
+    def tensors(self):
+        s = self.static
+        return [
+            t for t in (s.tokens, s.start, s.q, s.table, s.live, *vars(s.sp).values()) if torch.is_tensor(t)
+        ]
 
 
 # ---- LLM: the engine, tying the parts together -------------------------------------------------------------
 class LLM:
     """DeepSeek-V3.2 engine: generate() admits requests, then runs steps until every request is done. A
-    step asks the scheduler what to run, runs it (a prefill step, or a decode round of verify, accept,
-    draft-extend, draft), and retires what finished."""
+    step asks the scheduler what to run, runs it (a prefill step, or a speculative round), and retires what
+    finished."""
 
     def __init__(
         self,
@@ -2537,19 +1889,19 @@ class LLM:
     ):
         """mtp: draft tokens per round (0: no speculative decoding). kv_cache_bytes: the KV pool (default:
         CPU 256 MiB, GPU 80% of the free memory). model: a Transformer built already (bench.py), else
-        loaded from model_dir."""
-        check_engine_args(locals())
-        self.device = check_device(device)
-        model_dir = model_dir or default_model_dir()
-        if model is None:
-            self.cfg = open_checkpoint(model_dir)  # config + shard headers: no weights yet
-            check_fits(self.cfg, self.device)  # before any allocation
-        else:
-            self.cfg = model.cfg
+        loaded from model_dir. The arguments are checked first (checks.py), the model files before any
+        weight is read (hf_checkpoint.py)."""
+        checks.check_engine_args(locals())
+        self.device = init_distributed(checks.check_device(device))  # torchrun: join the ranks, take a GPU
+        model_dir = model_dir or hf_checkpoint.default_model_dir()
+        self.cfg = model.cfg if model else open_checkpoint(model_dir)  # config + shard headers: no weights
+        if model is None:  # before any allocation
+            fits = (Transformer, KVCache.bytes_per_token(self.cfg), tp_size(), self.cfg_splits)
+            checks.check_fits(self.cfg, self.device, *fits)
         self.tokenizer = load_tokenizer(model_dir, self.cfg)
         require(mtp == 0 or self.cfg.n_mtp_layers > 0, f"mtp={mtp}: needs a checkpoint with an MTP layer")
         page_bytes = KVCache.bytes_per_token(self.cfg) * page_size
-        check_pool_bytes(kv_cache_bytes, page_bytes, self.device)
+        checks.check_pool_bytes(kv_cache_bytes, page_bytes, self.device)
         self.model = model or load_model(model_dir, self.device, kernels, self.cfg)
         self.num_draft = mtp
         self.max_context = min(max_context or self.cfg.max_seq_len, self.cfg.max_seq_len)
@@ -2561,11 +1913,15 @@ class LLM:
         if cuda_graphs and self.device.type == "cuda" and self.model.ops is not TORCH_OPS:
             graphs = CudaGraphs(self.model, self.cache, mtp, max_batch, self.max_context, page_size)
         self.runner = Runner(self.model, self.cache, self.pool, mtp, graphs)
-        # say which kernels run, at the first generate
-        self.announce = self.device.type == "cuda" and tp_rank() == 0
+        self.announce = (
+            self.device.type == "cuda" and tp_rank() == 0
+        )  # which kernels run, at the first generate
         self.stats = {}
         if self.device.type == "cuda":
             self.warm_up()
+
+    def cfg_splits(self, n):
+        return hf_checkpoint.tp_ok(self.cfg, n)
 
     def warm_up(self):
         """Build the prefill path's GPU kernels (Triton compiles them at first use: seconds on a fresh
@@ -2603,12 +1959,14 @@ class LLM:
         on_tokens=None,
     ):
         """prompts: strings (chat-encoded as a user turn; raw=True: plain completion) or lists of token
-        ids. max_new_tokens: one value for every prompt, or a list of one per prompt."""
-        args = dict(locals(), seed=0 if seed is None else seed)
-        prompts = check_generate_args(prompts, args, on_tokens)
+        ids. max_new_tokens and seed: one value for every prompt or a list of one per prompt (one seed s:
+        prompt i draws with seed s + i; None: a fresh one)."""
+        prompts = checks.check_generate_args(prompts, dict(locals()), on_tokens)
         if not prompts:
             return []
-        reqs = self.make_requests(prompts, args, seed)
+        reqs = self.make_requests(prompts, max_new_tokens, temperature, top_p, seed, thinking, raw)
+        for r in reqs:
+            r.return_logits, r.on_tokens = return_logits, on_tokens
         if self.announce:
             print(
                 f"nano-nsa: {torch.cuda.get_device_name(self.device)}, kernels: {self.model.ops.name}",
@@ -2622,21 +1980,13 @@ class LLM:
         try:
             while self.scheduler.has_work():
                 rounds += self.step() == "decode"
-            self.runner.accept_in_flight()  # a round launched after its requests finished: nothing to emit
+            self.runner.settle()  # a round launched after its requests finished: nothing to emit
         except BaseException:  # interrupted (Ctrl-C, an on_tokens that raised): no request is left behind
-            self.runner.in_flight = None
+            self.runner.launched = None
             self.scheduler.drop_all()
             raise
         self.stats = self.summary(reqs, time.perf_counter() - t0, rounds)
-        results = []
-        for r in reqs:
-            logits = None
-            if return_logits:
-                logits = torch.stack(r.logits) if r.logits else torch.zeros(0, self.cfg.vocab_size)
-            results.append(
-                Result(r.generated, self.tokenizer.decode(r.generated), r.accept_lengths, logits, r.finish)
-            )
-        return results
+        return [self.result(r, return_logits) for r in reqs]
 
     def step(self):
         """One engine step: schedule -> run -> retire. Returns what ran ("prefill" or "decode")."""
@@ -2644,47 +1994,34 @@ class LLM:
         if mode == "prefill":
             self.runner.prefill(batch)
         elif batch:
-            self.runner.decode_round(batch)
+            self.runner.decode(batch)
         self.scheduler.retire()
         return mode
 
-    def make_requests(self, prompts, args, seed):
+    def make_requests(self, prompts, max_new_tokens, temperature, top_p, seed, thinking, raw):
         """One Request per prompt, each refused (ValueError) if it is empty, out of the vocabulary, or too
-        long."""
-        temperature = args["temperature"]
+        long (checks.check_prompt)."""
         if temperature > 0:
             temperature = max(temperature, 1e-5)  # as the reference: no overflow in logits / T
         if seed is None:  # a fresh seed, the same on every rank
             fresh = torch.tensor([int.from_bytes(os.urandom(6), "little")], device=self.device)
             seed = int(all_reduce(fresh, dist.ReduceOp.MAX))
-        capacity = self.pool.free_slots
-        budgets = args["max_new_tokens"]
-        if not isinstance(budgets, (list, tuple)):  # one value for every prompt
-            budgets = [budgets] * len(prompts)
+        seeds = checks.per_prompt("seed", seed, len(prompts))
+        if not isinstance(seed, (list, tuple)):
+            seeds = [seed + i for i in range(len(prompts))]
+        budgets = checks.per_prompt("max_new_tokens", max_new_tokens, len(prompts))
         reqs = []
         for i, prompt in enumerate(prompts):
-            max_new = budgets[i]
-            ids = self.encode(prompt, args["thinking"], args["raw"])
-            require(ids, f"prompt {i} is empty")
-            in_vocab = min(ids) >= 0 and max(ids) < self.cfg.vocab_size
-            require(in_vocab, f"prompt {i} has token ids outside [0, {self.cfg.vocab_size})")
-            too_long = (
-                f"prompt {i} has {len(ids)} tokens; with max_new_tokens={max_new} it exceeds the context "
-                f"limit of {self.max_context} tokens"
+            ids = self.encode(prompt, thinking, raw)
+            limits = (
+                self.cfg.vocab_size,
+                self.max_context,
+                self.pool.free_slots,
+                round_lookahead(self.num_draft),
             )
-            require(len(ids) + max_new <= self.max_context, too_long)
-            never_fits = (
-                f"prompt {i} ({len(ids)} tokens + {max_new} new) can never fit in the KV pool of {capacity} "
-                "slots; give the engine a larger kv_cache_bytes"
-            )
-            require(len(ids) + max_new + round_lookahead(self.num_draft) <= capacity, never_fits)
-            gen = torch.Generator(self.device).manual_seed((seed * 1_000_003 + i) % 2**63)
-            req = Request(
-                i, list(ids), len(ids), max_new, temperature, args["top_p"], gen, prefill_target=len(ids)
-            )
-            req.return_logits = args["return_logits"]
-            req.on_tokens = args["on_tokens"]
-            reqs.append(req)
+            checks.check_prompt(i, ids, budgets[i], *limits)
+            seed_i = seeds[i] % 2**63
+            reqs.append(Request(i, list(ids), len(ids), budgets[i], temperature, top_p, seed_i, len(ids)))
         return reqs
 
     def encode(self, prompt, thinking=False, raw=False):
@@ -2695,6 +2032,12 @@ class LLM:
         else:
             text = encode_chat([{"role": "user", "content": prompt}], thinking)
         return self.tokenizer.encode(text, add_special_tokens=False).ids
+
+    def result(self, r, return_logits):
+        logits = None
+        if return_logits:
+            logits = torch.stack(r.logits) if r.logits else torch.zeros(0, self.cfg.vocab_size)
+        return Result(r.generated, self.tokenizer.decode(r.generated), r.accept_lengths, logits, r.finish)
 
     def summary(self, reqs, seconds, rounds):
         tokens = sum(len(r.generated) for r in reqs)
@@ -2713,94 +2056,12 @@ class LLM:
         )
 
 
-# ---- CLI ---------------------------------------------------------------------------------------------------
-def build_parser():
-    ap = argparse.ArgumentParser(
-        description="DeepSeek-V3.2 inference (DSA sparse attention, MTP speculative decoding)."
-    )
-    ap.add_argument("--model", help="DeepSeek-V3.2 checkpoint directory (default: demo/, a tiny trained one)")
-    ap.add_argument("--prompt", action="append", default=[], help="prompt text (repeatable)")
-    ap.add_argument("--prompt-file", help="a file with one prompt per line")
-    ap.add_argument("--max-new-tokens", type=int, default=64)
-    ap.add_argument("--temperature", type=float, default=0.0)
-    ap.add_argument("--top-p", type=float, default=1.0)
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--mtp", type=int, default=1, help="draft tokens per round (0 = no speculative decoding)")
-    ap.add_argument("--device", help="cpu or cuda (default: cuda if available)")
-    ap.add_argument("--thinking", action="store_true", help="chat in thinking mode")
-    ap.add_argument("--raw", action="store_true", help="plain completion, no chat template")
-    ap.add_argument("--max-context", type=int, help="refuse prompts + max_new_tokens longer than this")
-    kernels_help = "auto: kernels.py on a GPU that supports it; torch: the readable reference path"
-    ap.add_argument("--kernels", default="auto", choices=["auto", "torch", "gpu"], help=kernels_help)
-    ap.add_argument("--no-cuda-graphs", action="store_true", help="run decode rounds eagerly (GPU)")
-    ap.add_argument("--json", action="store_true", help="print one JSON document instead of streaming text")
-    return ap
-
-
-def read_prompts(args):
-    prompts = list(args.prompt)
-    if args.prompt_file:
-        try:
-            with open(args.prompt_file, encoding="utf-8") as f:
-                prompts += [line.rstrip("\n") for line in f if line.strip()]
-        except UnicodeDecodeError as e:
-            raise ValueError(f"{args.prompt_file}: not UTF-8 text ({e.reason} at byte {e.start})") from None
-    require(prompts, "give at least one --prompt or a --prompt-file")
-    return prompts
-
-
-class TextStream:
-    """on_tokens for one prompt: prints its newly decodable text as tokens arrive (whole UTF-8 characters
-    only)."""
-
-    def __init__(self, tokenizer):
-        self.tokenizer = tokenizer
-        self.tokens = []
-        self.printed = ""
-
-    def __call__(self, idx, tokens):
-        self.tokens.extend(tokens)
-        text = self.tokenizer.decode(self.tokens)
-        if not text.endswith("\ufffd"):
-            print(text[len(self.printed) :], end="", flush=True)
-            self.printed = text
-
-
-def print_results(args, prompts, results, stats, streamed):
-    if args.json:
-        rows = [
-            dict(
-                prompt=p,
-                token_ids=r.token_ids,
-                text=r.text,
-                finish_reason=r.finish_reason,
-                accept_lengths=r.accept_lengths,
-            )
-            for p, r in zip(prompts, results, strict=True)
-        ]
-        print(json.dumps({"results": rows, "stats": stats}))
-        return
-    for p, r in zip(prompts, results, strict=True):
-        if streamed:
-            print("")  # the text is out already: end its line
-        else:
-            print(f"--- {p!r}\n{r.text}")
-    spec = ""
-    if stats["mean_accept_length"] is not None:
-        spec = f", mean accepted length {stats['mean_accept_length']:.2f}"
-        spec += f", acceptance histogram {stats['accept_histogram']}"
-    speed = f"{stats['tokens']} tokens in {stats['seconds']:.2f} s, {stats['tokens_per_s']:.1f} tokens/s"
-    print(f"[{speed}{spec}]", file=sys.stderr)
-
-
 def main(argv=None):
-    ap = build_parser()
-    ap.error = lambda message: ap.exit(2, f"error: {message}\n")  # one line, no usage dump
-    args = ap.parse_args(argv)
+    """`python nano_nsa.py --prompt "..."`: generate, streaming one prompt's text as it comes, then a line of
+    speed and acceptance (the options and the printing: cli.py). A bad input is one line, exit code 1."""
+    args = cli.parse(argv)
     try:
-        prompts = read_prompts(args)
-        for name, rule in SAMPLING.items():  # before any work: a model may take minutes to load
-            check_arg(name, getattr(args, name), *rule)
+        prompts = cli.read_prompts(args)
         llm = LLM(
             args.model,
             device=args.device,
@@ -2809,8 +2070,7 @@ def main(argv=None):
             kernels=args.kernels,
             cuda_graphs=not args.no_cuda_graphs,
         )
-        quiet = tp_rank() > 0  # torchrun: every rank computes the same tokens; rank 0 prints
-        stream = not args.json and len(prompts) == 1 and not quiet
+        stream = not args.json and len(prompts) == 1 and tp_rank() == 0  # torchrun: rank 0 prints
         results = llm.generate(
             prompts,
             max_new_tokens=args.max_new_tokens,
@@ -2819,7 +2079,7 @@ def main(argv=None):
             seed=args.seed,
             thinking=args.thinking,
             raw=args.raw,
-            on_tokens=TextStream(llm.tokenizer) if stream else None,
+            on_tokens=cli.TextStream(llm.tokenizer) if stream else None,
         )
     except (ValueError, OSError) as e:  # bad input: one line, no traceback
         print("error: " + str(e).replace("\n", " "), file=sys.stderr)
@@ -2827,8 +2087,8 @@ def main(argv=None):
     except KeyboardInterrupt:
         return 130
     end_distributed(llm.graphs is not None)
-    if not quiet:
-        print_results(args, prompts, results, llm.stats, stream)
+    if tp_rank() == 0:
+        cli.print_results(args, prompts, results, llm.stats, stream)
     return 0
 
 

@@ -1,0 +1,200 @@
+"""The checks at nano-nsa's entry points: every fault in a user value is one ValueError line naming the argument
+(the CLI prints it and exits 1), raised before any work. nano_nsa.py calls these; a reader of the engine can
+skip them. (The checks of model files live in hf_checkpoint.py.)"""
+
+import os
+import sys
+from numbers import Integral, Real
+
+import torch
+
+
+def require(ok, message):
+    if not ok:
+        raise ValueError(message)
+
+
+def is_number(value, integer=False):
+    """A finite number (not nan, inf, or beyond the float range), never a bool."""
+    kind = Integral if integer else Real
+    return isinstance(value, kind) and not isinstance(value, bool) and abs(value) <= sys.float_info.max
+
+
+def check_arg(name, value, kind, low=None, high=None, open_low=False):
+    """A `kind` value (int, float: finite, or bool) in [low, high] ((low, high] if open_low), else a
+    ValueError."""
+    what = {int: "an integer", float: "a finite number", bool: "True or False"}[kind]
+    if kind is bool:
+        ok = isinstance(value, bool)
+    else:
+        ok = is_number(value, integer=kind is int)
+    require(ok, f"{name} must be {what} (got {value!r:.80})")
+    too_low = low is not None and (value < low or (open_low and value == low))
+    too_high = high is not None and value > high
+    if too_low or too_high:
+        bracket = "(" if open_low else "["
+        if high is None:
+            rule = f"{'>' if open_low else '>='} {low}"
+        else:
+            rule = f"in {bracket}{low}, {high}]"
+        raise ValueError(f"{name} must be {rule} (got {value!r})")
+
+
+# LLM's integer arguments and their smallest values; None means automatic for kv_cache_bytes and max_context
+ENGINE_ARGS = dict(mtp=0, page_size=1, max_batch=1, max_prefill_tokens=1, kv_cache_bytes=1, max_context=1)
+# generate's numeric arguments: check_arg's (kind, low, high, open_low); the CLI checks them before loading
+SAMPLING = dict(
+    max_new_tokens=(int, 0, None, True), temperature=(float, 0), top_p=(float, 0, 1, True), seed=(int,)
+)
+FLAGS = ("return_logits", "thinking", "raw")
+MIN_POOL_TOKENS = 4096  # the smallest KV pool worth loading a model for
+
+
+def check_engine_args(args):
+    for name, low in ENGINE_ARGS.items():
+        automatic = name in ("kv_cache_bytes", "max_context") and args[name] is None
+        if not automatic:
+            check_arg(name, args[name], int, low)
+
+
+def check_device(device):
+    """The torch device for a user's `device` value (None: a GPU if there is one)."""
+    try:
+        dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    except (RuntimeError, TypeError):
+        raise ValueError(f"unknown device {device!r}") from None
+    n_gpus = torch.cuda.device_count()  # 0 without CUDA
+    require(dev.type in ("cpu", "cuda"), f"device {device!r}: nano-nsa runs on cpu or cuda")
+    if dev.type == "cuda":
+        require(n_gpus > 0, f"device {device!r}: CUDA is not available")
+        require((dev.index or 0) < n_gpus, f"device {device!r}: this machine has {n_gpus} CUDA devices")
+    return dev
+
+
+def check_pool_bytes(kv_cache_bytes, page_bytes, device):
+    """A KV pool of at least two pages (page 0 is the dummy page) and at most the device's memory."""
+    if kv_cache_bytes is None:
+        return
+    if device.type == "cuda":
+        memory = torch.cuda.mem_get_info(device)[1]
+    else:
+        memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    low = 2 * page_bytes
+    require(
+        kv_cache_bytes >= low,
+        f"kv_cache_bytes={kv_cache_bytes}: less than two pages of the KV pool ({low} bytes)",
+    )
+    too_big = f"kv_cache_bytes={kv_cache_bytes}: more than the {memory} bytes of {device.type} memory"
+    require(kv_cache_bytes <= memory, too_big)
+
+
+def weight_bytes(cfg, model_class, ranks):
+    """(bytes every rank holds whole, bytes split over the ranks) of the parameters loading allocates, from
+    the layers' shapes on the meta device: split are Linear split, the vocabulary and the routed experts."""
+    with torch.device("meta"):
+        model = model_class(cfg)
+    split_bytes = 0
+    whole_bytes = 0
+    for mod in model.modules():
+        split = type(mod).__name__ == "Embedding" or getattr(mod, "split", None) is not None
+        for p in mod.parameters(recurse=False):
+            if split or p.dim() == 3:  # p.dim() == 3: stacked routed experts
+                split_bytes += p.numel() * p.element_size() * ranks
+            else:
+                whole_bytes += p.numel() * p.element_size()
+    return whole_bytes, split_bytes
+
+
+def check_fits(cfg, device, model_class, kv_bytes_per_token, ranks, tp_ok):
+    """Refuse, before allocating anything, a model whose share of the weights plus a minimal KV pool exceeds
+    this device's free memory (GPU) or the available RAM (CPU), saying what would fit. tp_ok(n): whether the
+    model splits over n ranks."""
+    if device.type == "cuda":
+        free = torch.cuda.mem_get_info(device)[0]
+        where = f"{torch.cuda.get_device_name(device)} has {free / 1e9:.1f} GB free"
+    else:
+        free = available_ram()
+        where = f"this machine has {free / 1e9:.1f} GB of RAM available"
+    whole, split = weight_bytes(cfg, model_class, ranks)
+    kv = MIN_POOL_TOKENS * kv_bytes_per_token
+    need = whole + split // ranks + kv
+    if need <= free:
+        return
+    why = f"the model needs {need / 1e9:.1f} GB per rank (weights + a {MIN_POOL_TOKENS}-token KV pool)"
+    why += f", but {where}"
+    allowed = [n for n in (1, 2, 4, 8, 16, 32, 64) if n > ranks and tp_ok(n)]
+    for n in allowed:
+        per_rank = whole + split // n + kv
+        if per_rank <= free:
+            raise ValueError(
+                f"{why}; it fits with torchrun --nproc-per-node {n} ({per_rank / 1e9:.1f} GB per rank)"
+            )
+    if allowed:
+        per_rank = whole + split // allowed[-1] + kv
+        why += f"; even torchrun --nproc-per-node {allowed[-1]} needs {per_rank / 1e9:.1f} GB per rank"
+    raise ValueError(why)
+
+
+def available_ram():
+    """MemAvailable from /proc/meminfo (what can be allocated without swapping), else the physical memory."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def is_token_list(p):
+    return isinstance(p, (list, tuple)) and all(is_number(t, integer=True) for t in p)
+
+
+def per_prompt(name, value, n):
+    """A generate argument that takes one value for every prompt or a list of one per prompt, as a list."""
+    if not isinstance(value, (list, tuple)):
+        return [value] * n
+    require(len(value) == n, f"{name} has {len(value)} values for {n} prompts")
+    return list(value)
+
+
+def check_generate_args(prompts, args, on_tokens):
+    """prompts as a list (a single prompt wrapped), after checking every argument of generate."""
+    if isinstance(prompts, str) or (is_token_list(prompts) and len(prompts) > 0):
+        prompts = [prompts]
+    is_list = isinstance(prompts, (list, tuple)) and all(
+        isinstance(p, str) or is_token_list(p) for p in prompts
+    )
+    require(
+        is_list, f"prompts must be a string, a list of token ids, or a list of those (got {prompts!r:.80})"
+    )
+    for name, rule in SAMPLING.items():
+        values = [args[name]]
+        if name in ("max_new_tokens", "seed"):  # one value, or one per prompt
+            values = per_prompt(name, args[name], len(prompts))
+        for value in values:
+            if not (name == "seed" and value is None):
+                check_arg(name, value, *rule)
+    for name in FLAGS:
+        check_arg(name, args[name], bool)
+    require(on_tokens is None or callable(on_tokens), f"on_tokens must be a function (got {on_tokens!r:.80})")
+    return list(prompts)
+
+
+def check_prompt(i, ids, max_new, vocab_size, max_context, capacity, lookahead):
+    """Prompt i's token ids: not empty, in the vocabulary, fitting the context limit and, one day, the KV
+    pool of `capacity` slots (with the `lookahead` slots a decode round may write past a request's end)."""
+    require(ids, f"prompt {i} is empty")
+    in_vocab = min(ids) >= 0 and max(ids) < vocab_size
+    require(in_vocab, f"prompt {i} has token ids outside [0, {vocab_size})")
+    too_long = (
+        f"prompt {i} has {len(ids)} tokens; with max_new_tokens={max_new} it exceeds the context "
+        f"limit of {max_context} tokens"
+    )
+    require(len(ids) + max_new <= max_context, too_long)
+    never_fits = (
+        f"prompt {i} ({len(ids)} tokens + {max_new} new) can never fit in the KV pool of {capacity} "
+        "slots; give the engine a larger kv_cache_bytes"
+    )
+    require(len(ids) + max_new + lookahead <= capacity, never_fits)

@@ -1,0 +1,93 @@
+"""The command line of `python nano_nsa.py`: its options, reading prompts, streaming text, printing results.
+nano_nsa.main ties them to the engine; a reader of the engine can skip this file."""
+
+import argparse
+import json
+import sys
+
+from checks import SAMPLING, check_arg, require
+
+
+def parse(argv):
+    """The options, parsed; a bad option is one line and exit code 2 (no usage dump)."""
+    ap = argparse.ArgumentParser(
+        description="DeepSeek-V3.2 inference (DSA sparse attention, MTP speculative decoding)."
+    )
+    ap.add_argument("--model", help="DeepSeek-V3.2 checkpoint directory (default: demo/, a tiny trained one)")
+    ap.add_argument("--prompt", action="append", default=[], help="prompt text (repeatable)")
+    ap.add_argument("--prompt-file", help="a file with one prompt per line")
+    ap.add_argument("--max-new-tokens", type=int, default=64)
+    ap.add_argument("--temperature", type=float, default=0.0)
+    ap.add_argument("--top-p", type=float, default=1.0)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--mtp", type=int, default=1, help="draft tokens per round (0 = no speculative decoding)")
+    ap.add_argument("--device", help="cpu or cuda (default: cuda if available)")
+    ap.add_argument("--thinking", action="store_true", help="chat in thinking mode")
+    ap.add_argument("--raw", action="store_true", help="plain completion, no chat template")
+    ap.add_argument("--max-context", type=int, help="refuse prompts + max_new_tokens longer than this")
+    kernels_help = "auto: kernels.py on a GPU that supports it; torch: the readable reference path"
+    ap.add_argument("--kernels", default="auto", choices=["auto", "torch", "gpu"], help=kernels_help)
+    ap.add_argument("--no-cuda-graphs", action="store_true", help="run decode rounds eagerly (GPU)")
+    ap.add_argument("--json", action="store_true", help="print one JSON document instead of streaming text")
+    ap.error = lambda message: ap.exit(2, f"error: {message}\n")
+    return ap.parse_args(argv)
+
+
+def read_prompts(args):
+    """The prompts of --prompt and --prompt-file, after checking the sampling numbers (before any work: a
+    model may take minutes to load)."""
+    prompts = list(args.prompt)
+    if args.prompt_file:
+        try:
+            with open(args.prompt_file, encoding="utf-8") as f:
+                prompts += [line.rstrip("\n") for line in f if line.strip()]
+        except UnicodeDecodeError as e:
+            raise ValueError(f"{args.prompt_file}: not UTF-8 text ({e.reason} at byte {e.start})") from None
+    require(prompts, "give at least one --prompt or a --prompt-file")
+    for name, rule in SAMPLING.items():
+        check_arg(name, getattr(args, name), *rule)
+    return prompts
+
+
+class TextStream:
+    """on_tokens for one prompt: prints its newly decodable text as tokens arrive (whole UTF-8 characters
+    only)."""
+
+    def __init__(self, tokenizer):
+        self.tokenizer = tokenizer
+        self.tokens = []
+        self.printed = ""
+
+    def __call__(self, idx, tokens):
+        self.tokens.extend(tokens)
+        text = self.tokenizer.decode(self.tokens)
+        if not text.endswith("\ufffd"):
+            print(text[len(self.printed) :], end="", flush=True)
+            self.printed = text
+
+
+def print_results(args, prompts, results, stats, streamed):
+    if args.json:
+        rows = [
+            dict(
+                prompt=p,
+                token_ids=r.token_ids,
+                text=r.text,
+                finish_reason=r.finish_reason,
+                accept_lengths=r.accept_lengths,
+            )
+            for p, r in zip(prompts, results, strict=True)
+        ]
+        print(json.dumps({"results": rows, "stats": stats}))
+        return
+    for p, r in zip(prompts, results, strict=True):
+        if streamed:
+            print("")  # the text is out already: end its line
+        else:
+            print(f"--- {p!r}\n{r.text}")
+    spec = ""
+    if stats["mean_accept_length"] is not None:
+        spec = f", mean accepted length {stats['mean_accept_length']:.2f}"
+        spec += f", acceptance histogram {stats['accept_histogram']}"
+    speed = f"{stats['tokens']} tokens in {stats['seconds']:.2f} s, {stats['tokens_per_s']:.1f} tokens/s"
+    print(f"[{speed}{spec}]", file=sys.stderr)
