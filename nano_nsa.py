@@ -1231,7 +1231,7 @@ def probs_from_logits(logits, temperature, top_p):
     so a row's total is the last of its cumulative sums, and its bits do not depend on its batch."""
     greedy = (temperature == 0)[..., None]
     p = torch.softmax(logits.to(acc_dtype(logits)) / torch.where(greedy, 1.0, temperature[..., None]), -1)
-    sp, si = p.sort(-1, descending=True, stable=True)
+    sp, si = p.sort(dim=-1, descending=True, stable=True)
     before = sp.cumsum(-1) - sp  # the mass of the tokens more likely than each
     sp = sp.masked_fill((before >= top_p[..., None]) & (top_p[..., None] < 1), 0.0)
     p = torch.zeros_like(p).scatter_(-1, si, sp / sp.cumsum(-1)[..., -1:])
@@ -1265,6 +1265,12 @@ def draw(logits, sp: Sampling, positions, stream):
     return sample(p, sp.seeds, positions, stream), p
 
 
+def residual_probs(p, q):
+    """Where a draft was rejected, the main model's token is drawn from max(p - q, 0) (p itself if p == q)."""
+    r = (p - q).clamp(min=0)
+    return torch.where(r.amax(-1, keepdim=True) > 0, r, p)
+
+
 def accept(tokens, logits, q, sp: Sampling, start):
     """Speculative acceptance of every request at once, on the device. tokens [B, k+1]: x_L then the drafts
     d_1..d_k (d_j at position L+j, L = start [B]); logits [B, k+1, V]: the main model's at those rows; q [B,
@@ -1279,18 +1285,14 @@ def accept(tokens, logits, q, sp: Sampling, start):
         target = logits.argmax(-1)  # [B, k+1]: the accepted drafts equal it
         return target, (drafts == target[:, :-1]).cumprod(1).sum(1) + 1
     p = probs_from_logits(logits, sp.temperature[:, None], sp.top_p[:, None])  # [B, k+1, V]
+    zero = torch.zeros_like(p[:, :1])
+    q = zero if q is None else torch.cat([q, zero], 1)  # [B, k+1, V]: after k acceptances, p itself
     positions = start[:, None] + 1 + torch.arange(n, device=start.device)  # of the token each row decides
-    residual, ok = p, torch.ones(B, 0, dtype=torch.long, device=start.device)
-    if n > 1:
-        px = p[:, :-1].gather(-1, drafts[..., None])[..., 0]  # [B, k]
-        qx = q.gather(-1, drafts[..., None])[..., 0]
-        ok = (uniform(sp.seeds[:, None], positions[:, :-1], ACCEPT, 1)[..., 0] * qx <= px).long()
-        residual = torch.cat([(p[:, :-1] - q).clamp(min=0), p[:, -1:]], 1)
-    a = ok.cumprod(1).sum(1)  # [B] accepted drafts
+    px, qx = (d[:, :-1].gather(-1, drafts[..., None])[..., 0] for d in (p, q))  # [B, k]
+    u = uniform(sp.seeds[:, None], positions[:, :-1], ACCEPT, 1)[..., 0]
+    a = (u * qx <= px).long().cumprod(1).sum(1)  # [B] accepted drafts
     rows = torch.arange(B, device=start.device)
-    r = residual[rows, a]  # [B, V]: max(p - q, 0) at the first rejection, p after k acceptances
-    r = torch.where(r.amax(-1, keepdim=True) > 0, r, p[rows, a])  # (p == q: p itself)
-    last = sample(r, sp.seeds, positions[rows, a], TARGET)
+    last = sample(residual_probs(p[rows, a], q[rows, a]), sp.seeds, positions[rows, a], TARGET)
     emitted = torch.cat([drafts, last[:, None]], 1).scatter(1, a[:, None], last[:, None])
     return emitted, a + 1
 

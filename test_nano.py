@@ -19,6 +19,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+import hf_checkpoint as hf
 import nano_nsa as m
 from tools.checkpoint import (
     hf_config,
@@ -113,12 +114,10 @@ def prefill_capturing(model, n_tokens, seed, taps):
 
 
 def projection(attn, part, x):
-    """x times one part of MLA's stacked wqkv_a ("wq_a", "indexer.wk" or "wkv_a": the checkpoint's q_a_proj,
+    """x times one of MLA's projections of x ("wq_a", "indexer.wk" or "wkv_a": the checkpoint's q_a_proj,
     indexer.wk, kv_a_proj_with_mqa) as an FP8 linear of its own."""
-    lin = attn.wqkv_a
-    rows = m.stacked_rows(attn.cfg, part, lin.weight.shape[0], 1)
-    scale_rows = m.stacked_rows(attn.cfg, part, lin.scale.shape[0], m.BLOCK)
-    return m.fp8_linear(x, lin.weight[rows], lin.scale[scale_rows])
+    lin = attn.indexer.wk if part == "indexer.wk" else getattr(attn, part)
+    return m.fp8_linear(x, lin.weight, lin.scale)
 
 
 def naive_mla(attn, x, pos, latent, kpe, allowed):
@@ -178,7 +177,7 @@ def test_config_rejects_other_models(tmp_path):
 def test_full_checkpoint_names_and_shapes():
     """Spot-check the 671B tensor table against spec 2.1 / 2.3 (names, shapes, scale shapes incl. edge
     blocks)."""
-    t = m.checkpoint_tensors(m.Config.full())
+    t = hf.checkpoint_tensors(m.Config.full())
     L = "model.layers."
     assert t[L + "0.self_attn.kv_a_proj_with_mqa.weight_scale_inv"][0] == [5, 56]
     assert t[L + "0.self_attn.q_b_proj.weight"][0] == [24576, 1536]
@@ -199,18 +198,16 @@ def test_full_checkpoint_names_and_shapes():
 
 def test_full_width_model_matches_checkpoint_table():
     """The module tree built for the 671B config (on the meta device: no memory) has exactly the checkpoint's
-    tensors under the name mapping, with the same shapes; the routed experts' tensors and every MLP's w1 / w3
-    fill their stacked parameters (w1 | w3 -> w13, w2; q_a | indexer wk | kv_a -> wqkv_a) exactly, element for
-    element."""
+    tensors under the name mapping, with the same shapes; the routed experts' tensors fill their stacks (w1,
+    w2, w3 [E, ...]) exactly, element for element."""
     cfg = m.Config.full()
     with torch.device("meta"):
         model = m.Transformer(cfg)
     params = dict(model.named_parameters())
     filled = dict.fromkeys(params, 0)
-    for k, (shape, _kind) in m.checkpoint_tensors(cfg).items():
+    for k, (shape, _kind) in hf.checkpoint_tensors(cfg).items():
         assert list(m.load_target(params, cfg, k).shape) == shape, k
-        owner = m.EXPERT.sub(lambda h: f"{h[1]}.{h[3]}.{h[4]}", m.ours_name(cfg, k))
-        owner = m.stack_of(owner)[0]
+        owner = re.sub(r"\.experts\.\d+\.", ".experts.", m.ours_name(cfg, k))
         filled[owner] += math.prod(shape)
     assert filled == {k: p.numel() for k, p in params.items()}
 
@@ -234,7 +231,7 @@ def test_write_load_round_trip_exact(tiny_dir, model):
     files = sorted(set(index["weight_map"].values()))
     assert len(files) > 1 and files[0] == f"model-00001-of-{len(files):05d}.safetensors"
     params = dict(model.named_parameters(remove_duplicate=False))
-    expected = m.checkpoint_tensors(model.cfg)
+    expected = hf.checkpoint_tensors(model.cfg)
     seen = set()
     for file in files:
         for name, t in load_file(os.path.join(tiny_dir, file)).items():
@@ -245,21 +242,21 @@ def test_write_load_round_trip_exact(tiny_dir, model):
             assert torch.equal(p.float(), t.float()), name  # bit-exact, upcasts are exact
             seen.add(name)
     assert seen == set(expected)
-    assert model.layers[0].attn.wqkv_a.weight.dtype == torch.float8_e4m3fn
+    assert model.layers[0].attn.wq_a.weight.dtype == torch.float8_e4m3fn
     assert model.norm.weight.dtype == torch.float32 and model.head.weight.dtype == torch.float32
 
 
 def test_weights_dequantized_at_load_give_the_same_logits(tiny_dir, model, monkeypatch):
     """The references' FP8 weights dequantized once at load (DEQUANTIZE_AT_LOAD_BYTES) vs at every call:
     the same values, so bit-identical logits, with and without MTP; the FP8 parameters stay as loaded."""
-    assert model.layers[0].attn.wqkv_a.dequantized is not None  # the tiny model is small enough
+    assert model.layers[0].attn.wq_a.dequantized is not None  # the tiny model is small enough
     prompts = mixed_prompts(3)
     at_load = {
         k: make_llm(tiny_dir, k).generate(prompts, max_new_tokens=6, return_logits=True) for k in (0, 2)
     }
     monkeypatch.setattr(m, "DEQUANTIZE_AT_LOAD_BYTES", 0)
     per_call_model = m.load_model(tiny_dir)
-    assert per_call_model.layers[0].attn.wqkv_a.dequantized is None
+    assert per_call_model.layers[0].attn.wq_a.dequantized is None
     for k, want in at_load.items():
         got = m.LLM(tiny_dir, device="cpu", mtp=k, model=per_call_model).generate(
             prompts, max_new_tokens=6, return_logits=True
@@ -311,7 +308,7 @@ def test_fp8_block_dequant_matches_source(model):
     cfg = model.cfg
     params = dict(model.named_parameters(remove_duplicate=False))
     checked_edge = False
-    for name, (shape, kind) in m.checkpoint_tensors(cfg).items():
+    for name, (shape, kind) in hf.checkpoint_tensors(cfg).items():
         if kind != "fp8" or ".experts." in name and ".experts.0." not in name:
             continue
         w8, s = m.load_target(params, cfg, name), m.load_target(params, cfg, name + "_scale_inv")
@@ -335,7 +332,7 @@ def test_fp8_block_dequant_matches_source(model):
 # units that end-to-end logits on random weights cannot see (spec section 9)
 # ------------------------------------------------------------------------------------------------------------
 def test_activation_quantization_before_fp8_linear(model):
-    lin = model.layers[0].attn.wqkv_a
+    lin = model.layers[0].attn.wq_a
     x = (torch.randn(7, model.cfg.dim) * torch.logspace(-2, 1, model.cfg.dim)).to(torch.bfloat16)
     w = m.weight_dequant(lin.weight, lin.scale).double()
     want = (fake_quant_ref(x) @ w.T).to(torch.bfloat16)
@@ -645,12 +642,10 @@ def test_moe_routing_and_output_match_spec(model, monkeypatch):
     assert torch.allclose(w.double(), want_w, rtol=1e-6)
     y = moe(x)
     ex = moe.experts
-    inter = cfg.moe_inter_dim
 
-    def expert(e, v):  # one routed expert alone, from its w1 / w3 / w2 halves of the stacked weights
-        w13, s13 = ex.w13.weight[e], ex.w13.scale[e]
-        g = m.fp8_linear(v, w13[:inter], s13[: inter // 128]).float()
-        u = m.fp8_linear(v, w13[inter:], s13[inter // 128 :]).float()
+    def expert(e, v):  # one routed expert alone, from its w1 / w3 / w2 of the stacks
+        g = m.fp8_linear(v, ex.w1.weight[e], ex.w1.scale[e]).float()
+        u = m.fp8_linear(v, ex.w3.weight[e], ex.w3.scale[e]).float()
         return m.fp8_linear((F.silu(g) * u).to(torch.bfloat16), ex.w2.weight[e], ex.w2.scale[e])
 
     want_y = torch.stack(
@@ -682,25 +677,21 @@ def mixed_prompts(n=8, seed=12):
     return [torch.randint(6, 262, (k,), generator=g).tolist() for k in lens]
 
 
-def oracle_drafts(monkeypatch, reference, wrong_every=3):
-    """Replace the round's draft phase by an oracle that proposes the plain run's next tokens, wrong at every
-    `wrong_every`-th draft, so verify accepts runs of drafts and rejects others."""
-    counter = [0]
+def oracle_drafts(monkeypatch, prompts, reference, wrong_every=7):
+    """Replace the round's draft phase (nano_nsa.draft) by an oracle that proposes the plain run's next tokens,
+    wrong where (position + seed) % wrong_every == 0, so verify accepts runs of drafts and rejects others. The
+    requests are told apart by their seeds: generate with seed=0 (prompt i draws with seed i)."""
+    seqs = [list(p) + list(r) for p, r in zip(prompts, reference, strict=True)]
+    width = max(len(x) for x in seqs) + 64
+    want = torch.tensor([x + [5] * (width - len(x)) for x in seqs])  # [n, width]: the token at each position
 
-    def draft(self, reqs, h, logits):
-        drafts = [[] for _ in reqs]
-        for j in range(self.num_draft):
-            for b, r in enumerate(reqs):
-                counter[0] += 1
-                want = reference[r.idx]
-                pos = len(r.tokens) + j - r.prompt_len  # index of the drafted token in the output
-                t = want[pos] if pos < len(want) else 5
-                drafts[b].append(t if counter[0] % wrong_every else (t + 1) % 262)
-        for r, tokens in zip(reqs, drafts, strict=True):
-            r.draft = torch.tensor(tokens, device=h.device)
-            r.q = None
+    def draft(model, cache, h, logits, start, batch, k):
+        seeds = batch.sp.seeds.cpu()[:, None]
+        pos = (start.cpu()[:, None] + 1 + torch.arange(k)).clamp(max=width - 1)  # d_1..d_k's positions
+        t = want[seeds.clamp(max=len(seqs) - 1), pos]
+        return torch.where((pos + seeds) % wrong_every == 0, (t + 1) % 262, t).to(start.device), None
 
-    monkeypatch.setattr(m.Runner, "draft", draft)
+    monkeypatch.setattr(m, "draft", draft)
 
 
 def test_interrupted_generate_leaves_the_engine_clean(tiny_dir):
@@ -730,8 +721,8 @@ def test_speculative_greedy_equals_plain_greedy(tiny_dir, monkeypatch, mtp):
     spec = make_llm(tiny_dir, mtp)
     mtp_out = spec.generate(prompts, max_new_tokens=20)  # the random MTP layer's own drafts
     assert [r.token_ids for r in mtp_out] == ref
-    oracle_drafts(monkeypatch, ref)
-    out = spec.generate(prompts, max_new_tokens=20, return_logits=True)  # drafts accepted in runs
+    oracle_drafts(monkeypatch, prompts, ref)
+    out = spec.generate(prompts, max_new_tokens=20, return_logits=True, seed=0)  # drafts accepted in runs
     assert [r.token_ids for r in out] == ref
     for a, b in zip(out, plain, strict=True):
         assert len(a.logits) == len(a.token_ids)
@@ -750,13 +741,17 @@ CHI2_CRIT_DF5 = 20.515  # chi-square critical value, 5 degrees of freedom, p = 0
 
 
 def _sample_spec(p, q, n_seeds):
-    """For seeds 0..n-1: draw k drafts from q, verify against p; returns the emitted token lists."""
-    outs = []
-    for seed in range(n_seeds):
-        g = torch.Generator().manual_seed(seed)
-        draft = [int(m.sample_no_sync(q[j], g)) for j in range(q.shape[0])]
-        outs.append(m.speculative_accept(draft, q, p.log(), 1.0, 1.0, g))
-    return outs
+    """For seeds 0..n-1, one request each in one batch: draw k drafts from q, verify them against p (m.accept)
+    -> the emitted token lists."""
+    k = q.shape[0]
+    seeds = torch.arange(n_seeds)
+    start = torch.zeros(n_seeds, dtype=torch.long)
+    qs = q[None].expand(n_seeds, -1, -1).double()
+    drafts = m.sample(qs, seeds[:, None], 1 + torch.arange(k), m.DRAFT)  # [n, k]
+    tokens = torch.cat([torch.zeros(n_seeds, 1, dtype=torch.long), drafts], 1)
+    sp = m.Sampling(seeds, torch.ones(n_seeds), torch.ones(n_seeds), True)
+    emitted, counts = m.accept(tokens, p.log()[None].expand(n_seeds, -1, -1), qs, sp, start)
+    return [e[:c].tolist() for e, c in zip(emitted, counts, strict=True)]
 
 
 @pytest.mark.parametrize("broken", [None, "residual", "always_accept"])
@@ -770,7 +765,10 @@ def test_rejection_sampling_is_exact(monkeypatch, broken):
     if broken == "residual":
         monkeypatch.setattr(m, "residual_probs", lambda p_, q_: p_)  # resample from p instead of max(p-q, 0)
     elif broken == "always_accept":
-        monkeypatch.setattr(torch, "rand", lambda *a, **k: torch.tensor(0.0))
+        uniform = m.uniform
+        monkeypatch.setattr(
+            m, "uniform", lambda s, pos, stream, n: uniform(s, pos, stream, n) * (stream != m.ACCEPT)
+        )
     outs = _sample_spec(p, q, 12000)
     first = torch.bincount(torch.tensor([o[0] for o in outs]), minlength=6).double()
     second = torch.bincount(torch.tensor([o[1] for o in outs if len(o) > 1]), minlength=6).double()
@@ -973,15 +971,16 @@ def test_mtp_drafts_match_recomputed_mtp(tiny_dir, monkeypatch):
     llm = make_llm(tiny_dir, 2)
     cfg = m.Config.tiny()
     records = []
-    orig = m.Runner.draft
+    orig = m.draft
 
-    def draft(self, reqs, h, logits):
-        orig(self, reqs, h, logits)
-        records.extend((r.idx, r.num_cached, r.draft.tolist()) for r in reqs)
+    def draft(model, cache, h, logits, start, batch, k):
+        drafts, q = orig(model, cache, h, logits, start, batch, k)
+        records.extend(zip(batch.sp.seeds.tolist(), start.tolist(), drafts.tolist(), strict=True))
+        return drafts, q
 
-    monkeypatch.setattr(m.Runner, "draft", draft)
+    monkeypatch.setattr(m, "draft", draft)
     prompts = mixed_prompts(4, seed=15)
-    out = llm.generate(prompts, max_new_tokens=14)
+    out = llm.generate(prompts, max_new_tokens=14, seed=0)  # (prompt i has seed i)
     model = llm.model
     checked = 0
     for i, (p, r) in enumerate(zip(prompts, out, strict=True)):
@@ -1026,7 +1025,7 @@ def test_verify_and_draft_extend_use_the_decode_path(tiny_dir, monkeypatch):
     """Outside prefill steps, no row goes through the per-head (prefill) attention form."""
     llm = make_llm(tiny_dir, 3)
     in_round = [False]
-    orig_round, orig_attend = m.Runner.decode_round, m.MLA.attend_dense
+    orig_round, orig_attend = m.Runner.decode, m.MLA.attend_dense
 
     def decode_round(self, reqs):
         in_round[0] = True
@@ -1039,7 +1038,7 @@ def test_verify_and_draft_extend_use_the_decode_path(tiny_dir, monkeypatch):
         assert not in_round[0], "a decode round used the prefill attention path"
         return orig_attend(self, *a, **k)
 
-    monkeypatch.setattr(m.Runner, "decode_round", decode_round)
+    monkeypatch.setattr(m.Runner, "decode", decode_round)
     monkeypatch.setattr(m.MLA, "attend_dense", attend)
     llm.generate(mixed_prompts(3), max_new_tokens=6)
 
@@ -1454,7 +1453,7 @@ def test_gpu_tokens_do_not_depend_on_batch_preemption_or_speculation(which, tiny
 
     rng = random.Random(18)
     if which == "demo":
-        model_dir = m.DEMO_DIR
+        model_dir = hf.DEMO_DIR
         prompts = _stdlib_texts(192, seed=18)
     else:
         model_dir = tiny_dir
@@ -1841,8 +1840,8 @@ def test_eos_stops_generation_inside_accepted_drafts(tiny_dir, monkeypatch):
         llm = make_llm(tiny_dir, mtp)
         monkeypatch.setattr(llm.cfg, "eos_token_id", eos)
         if mtp:
-            oracle_drafts(monkeypatch, ref)
-        out = llm.generate(prompts, max_new_tokens=16)
+            oracle_drafts(monkeypatch, prompts, ref)
+        out = llm.generate(prompts, max_new_tokens=16, seed=0)
         for r, want in zip(out, ref, strict=True):
             cut = want.index(eos) if eos in want else len(want)
             assert r.token_ids == want[:cut] and r.finish_reason == ("eos" if eos in want else "length")
@@ -1915,10 +1914,8 @@ def test_speculative_sampling_follows_main_model_end_to_end(tiny_dir, monkeypatc
     caught. (The acceptance rule itself is checked on exact distributions in
     test_rejection_sampling_is_exact.)"""
     if broken:
-        accept = m.speculative_accept
-        monkeypatch.setattr(
-            m, "speculative_accept", lambda d, q, lg, *a: accept(d, q, torch.roll(lg, -1, 0), *a)
-        )
+        accept = m.accept
+        monkeypatch.setattr(m, "accept", lambda t, lg, *a: accept(t, torch.roll(lg, -1, 1), *a))
     llm = make_llm(tiny_dir, 1, max_batch=2048)
     monkeypatch.setattr(llm.cfg, "eos_token_id", -1)  # EOS would hide the logits row of the 2nd token
     T = 0.6
@@ -1927,7 +1924,8 @@ def test_speculative_sampling_follows_main_model_end_to_end(tiny_dir, monkeypatc
         [[0, 40, 50, 60]] * 1500, max_new_tokens=2, temperature=T, top_p=top_p, seed=3, return_logits=True
     )
     assert all(len(r.token_ids) == 2 and r.accept_lengths in ([1], [2]) for r in out)
-    expected = sum(m.probs_from_logits(r.logits[1:2], T, top_p)[0].double() for r in out)
+    params = torch.tensor([T]), torch.tensor([top_p])
+    expected = sum(m.probs_from_logits(r.logits[1:2], *params)[0].double() for r in out)
     observed = torch.bincount(torch.tensor([r.token_ids[1] for r in out]), minlength=len(expected)).double()
     big = expected >= 5
     e = torch.cat([expected[big], expected[~big].sum()[None]])
@@ -2614,7 +2612,7 @@ def _tp_run(model_dir, out, device="cpu", kernels="torch"):
     ops = llm.model.ops
     selections = []
     drafts = []
-    pick = m.pick_drafts
+    draft = m.draft
     index_topk = ops.index_topk
     capturing = torch.cuda.is_current_stream_capturing if device == "cuda" else (lambda: False)
 
@@ -2623,18 +2621,24 @@ def _tp_run(model_dir, out, device="cpu", kernels="torch"):
             selections.append(sel.clone())
         return sel
 
+    def record_drafts(*a):
+        out = draft(*a)
+        if not capturing():
+            drafts.append(out[0].clone())
+        return out
+
     ops.index_topk = lambda *a: record(index_topk(*a))
-    m.pick_drafts = lambda *a: drafts.append(pick(*a)) or drafts[-1]
+    m.draft = record_drafts
     try:
         runs = {k: e.generate(prompts, max_new_tokens=8, return_logits=True) for k, e in llms.items()}
     finally:
         ops.index_topk = index_topk
-        m.pick_drafts = pick
+        m.draft = draft
     torch.save(
         dict(
             tokens={k: [r.token_ids for r in rs] for k, rs in runs.items()},
             selections=selections,
-            drafts=[t.tolist() for t, _ in drafts],
+            drafts=[t.tolist() for t in drafts],
             accept=[r.accept_lengths for r in runs[2]],
             logits=[r.logits for r in runs[0]],
             bytes=bytes_read[0],
@@ -2800,7 +2804,7 @@ if __name__ == "__main__" and sys.argv[1:2] == ["tp-run"]:
 # ------------------------------------------------------------------------------------------------------------
 # the demo model (demo/, trained by tools/train_demo.py): an FP8 checkpoint that really predicts Python
 # ------------------------------------------------------------------------------------------------------------
-DEMO_EVAL = os.path.join(m.DEMO_DIR, "eval.json")
+DEMO_EVAL = os.path.join(hf.DEMO_DIR, "eval.json")
 needs_demo = pytest.mark.skipif(not os.path.isfile(DEMO_EVAL), reason="demo/ checkpoint not present")
 
 
@@ -2838,7 +2842,7 @@ def test_demo_fp8_held_out_loss_within_2pct_of_bf16():
     td = _train_demo()
     with open(DEMO_EVAL) as f:
         ev = json.load(f)
-    fp8 = td.engine_loss(m.DEMO_DIR, ev["heldout_chunks"][:4], torch.device("cpu"))
+    fp8 = td.engine_loss(hf.DEMO_DIR, ev["heldout_chunks"][:4], torch.device("cpu"))
     bf16 = ev["bf16_loss"][:4]
     print(f"held-out loss: FP8 engine {sum(fp8) / 4:.4f}, bf16 {sum(bf16) / 4:.4f}")
     assert sum(fp8) <= 1.02 * sum(bf16)

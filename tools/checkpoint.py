@@ -4,7 +4,7 @@ use, and what inference never runs (so it lives here, not in nano_nsa.py).
     from tools.checkpoint import save_random_checkpoint
     save_random_checkpoint("/tmp/tiny", Config.tiny())  # config.json, safetensors shards, tokenizer
 
-The names, shapes and dtypes come from `nano_nsa.checkpoint_tensors` (the one table the loader checks
+The names, shapes and dtypes come from `hf_checkpoint.checkpoint_tensors` (the one table the loader checks
 against); FP8 weights get power-of-two 128x128 block scales (`weight_scale_inv`), as DeepSeek's conversion
 writes them.
 """
@@ -19,17 +19,18 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-import nano_nsa as m  # noqa: E402  (the engine file sits one folder up)
+import hf_checkpoint as hf  # noqa: E402  (the engine's files sit one folder up)
+import nano_nsa as m  # noqa: E402
 
 
 def hf_config(cfg: m.Config):
     """The HF config.json dict of a Config, in the official checkpoint's layout (the inverse of
     Config.from_json)."""
-    hf_name = {ours: hf for hf, ours in cfg.HF_NAMES.items()}
+    hf_name = {ours: hf for hf, ours in hf.HF_NAMES.items()}
     fields = {hf_name.get(f.name, f.name): getattr(cfg, f.name) for f in dataclasses.fields(cfg)}
-    for name in cfg.ROPE_NAMES.values():
+    for name in hf.ROPE_NAMES.values():
         del fields[name]
-    rope = {k: getattr(cfg, name) for k, name in cfg.ROPE_NAMES.items()}
+    rope = {k: getattr(cfg, name) for k, name in hf.ROPE_NAMES.items()}
     return dict(
         architectures=["DeepseekV32ForCausalLM"],
         model_type="deepseek_v32",
@@ -42,7 +43,7 @@ def hf_config(cfg: m.Config):
         initializer_range=0.02,
         torch_dtype="bfloat16",
         use_cache=True,
-        **cfg.HF_FIXED,
+        **hf.HF_FIXED,
         **fields,
         rope_scaling=dict(type="yarn", mscale_all_dim=cfg.mscale, **rope),
         quantization_config=dict(
@@ -129,7 +130,7 @@ def save_random_checkpoint(
     write_json(os.path.join(path, "generation_config.json"), generation)
     if tokenizer:
         write_byte_tokenizer(path, config.vocab_size)
-    spec = {name: v for name, v in m.checkpoint_tensors(config).items() if v[1] != "scale"}
+    spec = {name: v for name, v in hf.checkpoint_tensors(config).items() if v[1] != "scale"}
     shards = []  # the tensor names of each shard written so far
     current = {}
     total = 0
@@ -165,7 +166,7 @@ def random_model(cfg: m.Config, device, seed=0, kernels="auto") -> m.Transformer
     with torch.device("meta"):
         model = m.Transformer(cfg).to_empty(device=device).eval()
     params = dict(model.named_parameters())
-    for name, (shape, kind) in m.checkpoint_tensors(cfg).items():
+    for name, (shape, kind) in hf.checkpoint_tensors(cfg).items():
         if kind == "scale" or m.load_target(params, cfg, name) is None:  # None: another rank's expert
             continue
         w = random_weight(name, shape, kind, seed, device)
@@ -183,9 +184,9 @@ def save_sparse_checkpoint(path, config: m.Config, shard_bytes: int = 5 << 30):
     write_json(os.path.join(path, "config.json"), hf_config(config))
     shards = [{}]
     size = 0
-    for name, (shape, kind) in m.checkpoint_tensors(config).items():
+    for name, (shape, kind) in hf.checkpoint_tensors(config).items():
         dtype = {"fp8": m.FP8, "scale": torch.float32}.get(kind) or stored_dtype(name, kind)
-        code = {t: name for name, t in m.SAFETENSORS_DTYPES.items()}[dtype]
+        code = {t: name for name, t in hf.SAFETENSORS_DTYPES.items()}[dtype]
         nbytes = dtype.itemsize * shape[0] * (shape[1] if len(shape) > 1 else 1)
         if size + nbytes > shard_bytes and shards[-1]:
             shards.append({})
