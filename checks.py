@@ -1,6 +1,6 @@
-"""The checks at nano-nsa's entry points: every fault in a user value is one ValueError line naming the argument
-(the CLI prints it and exits 1), raised before any work. nano_nsa.py calls these; a reader of the engine can
-skip them. (The checks of model files live in hf_checkpoint.py.)"""
+"""The checks at nano-nsa's entry points: every fault in a user value is one ValueError line naming the
+argument (the CLI prints it and exits 1), raised before any work. nano_nsa.py calls these; a reader of the
+engine can skip them. (The checks of model files live in hf_checkpoint.py.)"""
 
 import os
 import sys

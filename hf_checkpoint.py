@@ -1,8 +1,8 @@
-"""DeepSeek-V3.2's official HuggingFace checkpoint format, and the checks that turn a bad model directory into one
-error line before a weight is read: config.json (its names, the values DeepSeek-V3.2 fixes, every field's type
-and range), the safetensors index and every shard's header against the table of the official tensors (names,
-shapes, dtypes; spec section 2), and tokenizer.json. nano_nsa.py's loader calls `check_tensors`; Config calls
-`config_fields` and `check_config`; tools/checkpoint.py writes checkpoints from the same table.
+"""DeepSeek-V3.2's official HuggingFace checkpoint format, and the checks that turn a bad model directory into
+one error line before a weight is read: config.json (its names, the values DeepSeek-V3.2 fixes, every field's
+type and range), the safetensors index and every shard's header against the table of the official tensors
+(names, shapes, dtypes; spec section 2), and tokenizer.json. nano_nsa.py's loader calls `check_tensors`;
+Config calls `config_fields` and `check_config`; tools/checkpoint.py writes checkpoints from the same table.
 """
 
 import json
@@ -350,7 +350,7 @@ def check_finite(t, what):
     require(not bad.any(), f"{what} holds {int(bad.sum())} nan or inf values")
 
 
-# ---- tokenizer.json and the demo model ----------------------------------------------------------------------
+# ---- tokenizer.json and the demo model ---------------------------------------------------------------------
 def load_tokenizer(model_dir, cfg, special_tokens, bos, eos):
     """tokenizer.json, checked against the model: no token id >= vocab_size, the chat format's special tokens
     each encode as one token, and BOS / EOS are the config's bos_token_id / eos_token_id."""

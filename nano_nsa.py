@@ -1,14 +1,14 @@
 """nano-nsa: DeepSeek-V3.2 inference in one readable file.
 
-Read it top to bottom. Part 1 is the model: Config -> building blocks (the FP8 block format, norms, YaRN RoPE,
-Hadamard) -> forward metadata -> the lightning indexer -> MLA -> MoE -> Block, MTP layer, Transformer, KV cache
--> the kernel boundary -> tensor parallelism -> the loader. It computes what DeepSeek's official
+Read it top to bottom. Part 1 is the model: Config -> building blocks (the FP8 block format, norms, YaRN
+RoPE, Hadamard) -> forward metadata -> the lightning indexer -> MLA -> MoE -> Block, MTP layer, Transformer,
+KV cache -> the kernel boundary -> tensor parallelism -> the loader. It computes what DeepSeek's official
 `inference/model.py` computes (../shared/docs/dsv32_spec.md is the specification); where it deliberately
 differs, a comment says why. Part 2 is the engine: chat encoding -> sampling and speculative acceptance ->
-requests -> the KV page pool -> the scheduler -> the speculative round (verify, accept, draft-extend, draft) ->
-the runner -> CUDA graphs -> `LLM.generate` -> `main`. What a reader can skip lives beside this file: the
-checkpoint format and its checks (hf_checkpoint.py), the checks of user arguments (checks.py), the command
-line (cli.py), and the GPU kernels behind the same names as the references here (kernels.py).
+requests -> the KV page pool -> the scheduler -> the speculative round (verify, accept, draft-extend,
+draft) -> the runner -> CUDA graphs -> `LLM.generate` -> `main`. What a reader can skip lives beside this
+file: the checkpoint format and its checks (hf_checkpoint.py), the checks of user arguments (checks.py), the
+command line (cli.py), and the GPU kernels behind the same names as the references here (kernels.py).
 
 Dimension legend used in shape comments:
   T tokens (rows) in the forward pass   B requests in the batch   N context positions of a request
@@ -269,8 +269,8 @@ def swiglu(gate, up):
 
 
 def swiglu_mlp(x, w1, w3, w2):
-    """The SwiGLU MLP w2(silu(x W1^T) * x W3^T) (w2 split by rows: an unrounded partial sum). On the GPU w1 | w3
-    are one GEMM, and SwiGLU runs inside w2's act-quant."""
+    """The SwiGLU MLP w2(silu(x W1^T) * x W3^T) (w2 split by rows: an unrounded partial sum). On the GPU w1 |
+    w3 are one GEMM, and SwiGLU runs inside w2's act-quant."""
     return w2(swiglu(w1(x), w3(x)))
 
 
@@ -631,7 +631,8 @@ class MLA(nn.Module):
         same function."""
         cfg = self.cfg
         C, R = cfg.kv_lora_rank, cfg.qk_rope_head_dim
-        # the three products of x: MLA's query and latent projections and the indexer's key (one GEMM on a GPU)
+        # the three products of x: MLA's query and latent projections and the indexer's key (one GEMM on a
+        # GPU)
         q_a, k_index, kv_a = self.ops.linears(x, self.wq_a, self.indexer.wk, self.wkv_a)
         qr = self.q_norm(q_a)  # [T, q_lora]; shared with the indexer
         kv, k_pe = kv_a.split([C, R], -1)  # [T, C], [T, R]
@@ -761,7 +762,8 @@ def moe_experts(x, weights, idx, experts):
 
 def grouped_linear(rows, linear, experts, counts):
     """rows [P, in] (already quantized, acc dtype) sorted by expert, counts[i] of them for experts[i], each
-    times its expert's weight of the stack `linear` -> [P, out] bf16: fp8_linear's math, one GEMM per group."""
+    times its expert's weight of the stack `linear` -> [P, out] bf16: fp8_linear's math, one GEMM per
+    group."""
     w, scales = linear.operands()
     out = []
     for e, part in zip(experts, rows.split(counts), strict=True):
@@ -1582,10 +1584,10 @@ def speculative_round(model, cache, batch: Batch):
 
 def draft(model, cache, h, logits, start, batch, k):
     """k draft tokens per request, on the device: d_1 from the MTP logits of the row just run at position
-    start - 1 (its hidden state h [B, dim]), then k-1 MTP decode steps at positions start, start + 1, ..., each
-    fed the draft before, their Meta made here from those positions. start [B]: the position of each request's
-    last token x_L; batch: its table, sampling and context bound. -> (drafts [B, k], their distributions q [B,
-    k, V], None for a greedy batch)."""
+    start - 1 (its hidden state h [B, dim]), then k-1 MTP decode steps at positions start, start + 1, ...,
+    each fed the draft before, their Meta made here from those positions. start [B]: the position of each
+    request's last token x_L; batch: its table, sampling and context bound. -> (drafts [B, k], their
+    distributions q [B, k, V], None for a greedy batch)."""
     B = len(start)
     rows = torch.arange(B, device=start.device)
     tokens, dists = [], []
@@ -1785,15 +1787,16 @@ class CudaGraphs:
         self.pool = None  # one memory pool for all of them
 
     def width(self, max_ctx):
-        """The context bound a round runs under: index_topk, or the next power of two (the indexer's width)."""
+        """The context bound a round runs under: index_topk, or the next power of two (the indexer's
+        width)."""
         topk = self.model.cfg.index_topk
         if max_ctx <= topk:
             return topk
         return min(1 << (max_ctx - 1).bit_length(), self.max_width)
 
     def run(self, batch: Batch):
-        """Replay the round for `batch` -> (the static buffers' view of it, which holds the next round's inputs
-        after the replay, the round's outputs)."""
+        """Replay the round for `batch` -> (the static buffers' view of it, which holds the next round's
+        inputs after the replay, the round's outputs)."""
         B, s = len(batch.tokens), self.static
         bs = next(b for b in self.buckets if b >= B)
         key = (bs, self.width(batch.max_ctx), batch.sp.sampling)

@@ -14,6 +14,7 @@ import os
 import re
 import shutil
 import sys
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -407,7 +408,7 @@ def _prefill_then_decode(model, prompt, extra):
     ins, sel, o = [], [], []
     attn = model.layers[1].attn
     hooks = [capture(attn, ins), capture(attn.indexer, sel, "output"), capture(attn.wo, o)]
-    meta = m.Meta.build("verify", [len(prompt)], [len(extra)], table)
+    meta = m.Meta.build("decode", [len(prompt)], [len(extra)], table)
     model(extra, meta, cache)
     for hk in hooks:
         hk.remove()
@@ -678,9 +679,9 @@ def mixed_prompts(n=8, seed=12):
 
 
 def oracle_drafts(monkeypatch, prompts, reference, wrong_every=7):
-    """Replace the round's draft phase (nano_nsa.draft) by an oracle that proposes the plain run's next tokens,
-    wrong where (position + seed) % wrong_every == 0, so verify accepts runs of drafts and rejects others. The
-    requests are told apart by their seeds: generate with seed=0 (prompt i draws with seed i)."""
+    """Replace the round's draft phase (nano_nsa.draft) by an oracle that proposes the plain run's next
+    tokens, wrong where (position + seed) % wrong_every == 0, so verify accepts runs of drafts and rejects
+    others. The requests are told apart by their seeds: generate with seed=0 (prompt i draws with seed i)."""
     seqs = [list(p) + list(r) for p, r in zip(prompts, reference, strict=True)]
     width = max(len(x) for x in seqs) + 64
     want = torch.tensor([x + [5] * (width - len(x)) for x in seqs])  # [n, width]: the token at each position
@@ -777,6 +778,51 @@ def test_rejection_sampling_is_exact(monkeypatch, broken):
         assert stat < CHI2_CRIT_DF5, f"chi2 {stat:.1f}"
     else:
         assert stat > CHI2_CRIT_DF5, f"the broken rule ({broken}) went undetected: chi2 {stat:.1f}"
+
+
+def seeded_sampling_is_batch_invariant(llm, prompts, max_new_tokens):
+    """A seeded sampled request's tokens alone, in a batch, in another order and admitted as others finish
+    (max_batch 2 on the engine given) are one and the same; returns them."""
+    seeds = [1000 + 37 * i for i in range(len(prompts))]
+    kw = dict(max_new_tokens=max_new_tokens, temperature=0.8, top_p=0.9)
+    together = [r.token_ids for r in llm.generate(prompts, seed=seeds, **kw)]
+    backwards = [r.token_ids for r in llm.generate(prompts[::-1], seed=seeds[::-1], **kw)]
+    assert backwards[::-1] == together
+    for i in (0, len(prompts) - 1):
+        assert llm.generate([prompts[i]], seed=[seeds[i]], **kw)[0].token_ids == together[i]
+    greedy = [r.token_ids for r in llm.generate(prompts, max_new_tokens=max_new_tokens)]
+    assert together != greedy  # (sampling did sample)
+    return together
+
+
+@pytest.mark.parametrize("mtp", [0, 2])
+def test_seeded_sampling_does_not_depend_on_the_batch(tiny_dir, mtp):
+    """Sampling draws from a counter-based generator keyed by a request's seed and each token's position, so a
+    seeded request gives the same tokens alone or in any batch (at the same --mtp), as greedy ones do."""
+    prompts = mixed_prompts(5, seed=31)
+    want = seeded_sampling_is_batch_invariant(make_llm(tiny_dir, mtp), prompts, 12)
+    small = make_llm(tiny_dir, mtp, max_batch=2)  # requests join as others finish: other batches
+    assert [
+        r.token_ids
+        for r in small.generate(
+            prompts, max_new_tokens=12, temperature=0.8, top_p=0.9, seed=[1000 + 37 * i for i in range(5)]
+        )
+    ] == want
+
+
+def test_every_decode_round_is_the_one_speculative_round(tiny_dir, monkeypatch):
+    """Greedy and sampling batches, with and without drafts, run their decode rounds through one function,
+    speculative_round (verify, accept, draft-extend, draft on the device), once per round."""
+    calls = []
+    round_ = m.speculative_round
+    monkeypatch.setattr(m, "speculative_round", lambda *a: calls.append(a[2].sp.sampling) or round_(*a))
+    for mtp in (0, 2):
+        llm = make_llm(tiny_dir, mtp)
+        for temperature in (0.0, 0.7):
+            calls.clear()
+            llm.generate(mixed_prompts(3), max_new_tokens=6, temperature=temperature, seed=1)
+            assert len(calls) == llm.stats["decode_rounds"] > 0
+            assert set(calls) == {temperature > 0}
 
 
 def test_continuous_batching_equals_each_prompt_alone(tiny_dir):
@@ -1168,6 +1214,18 @@ def test_gpu_engine_agrees_with_cpu(calm_dir, kernels):
 
 
 @gpu
+@pytest.mark.parametrize("mtp", [0, 3])
+def test_gpu_seeded_sampling_does_not_depend_on_the_batch(calm_dir, mtp):
+    """On the GPU, with CUDA graphs (buckets padded with dummy rows): a seeded sampled request's tokens alone,
+    in a batch, reversed and admitted as others finish are one and the same (as on the CPU)."""
+    prompts = mixed_prompts(8, seed=31)
+    want = seeded_sampling_is_batch_invariant(m.LLM(calm_dir, device="cuda", mtp=mtp), prompts, 16)
+    small = m.LLM(calm_dir, device="cuda", mtp=mtp, max_batch=3)
+    kw = dict(max_new_tokens=16, temperature=0.8, top_p=0.9, seed=[1000 + 37 * i for i in range(8)])
+    assert [r.token_ids for r in small.generate(prompts, **kw)] == want
+
+
+@gpu
 @pytest.mark.parametrize("mtp", [0, 1, 3])
 def test_gpu_cuda_graphs_equal_eager(calm_dir, mtp):
     """Decode rounds through CUDA graphs (buckets padded with dummy rows, context bounds captured on first
@@ -1184,7 +1242,7 @@ def test_gpu_cuda_graphs_equal_eager(calm_dir, mtp):
     got = llm.generate(prompts, max_new_tokens=16, return_logits=True)
     for r in got:  # greedy: every token is its logits row's argmax (rows kept from rounds still in flight)
         assert r.logits.argmax(-1).tolist() == r.token_ids
-    widths = {key[2] for key in llm.graphs.graphs}
+    widths = {key[1] for key in llm.graphs.graphs}
     assert max(widths) > m.Config.tiny().index_topk, widths  # a longer context bound was captured
     total = sum(len(r.token_ids) for r in want)
     equal = _agree_up_to_near_ties(want, got, 0.05, f"graphs vs eager mtp={mtp}")
@@ -1212,13 +1270,15 @@ def test_gpu_side_by_side_equals_one_stream(calm_dir, monkeypatch):
     weights = [_random_fp8(n, k, gen) for n, k in shapes]
     xs = [torch.randn(4, k, device="cuda", generator=gen).to(m.BF16) for _, k in shapes]
     assert all(kernels.gemm_config(n, k)["SPLIT_K"] > 1 for n, k in shapes)
-    linears = [lambda i=i: kernels.fp8_linear(xs[i], *weights[i]) for i in range(3)]
-    want = [f() for f in linears]
+    want = [kernels.fp8_linear(xs[i], *weights[i]) for i in range(3)]
+
+    def two(i, j):
+        return kernels.side_by_side(
+            kernels.fp8_linear, (xs[i], *weights[i]), kernels.fp8_linear, (xs[j], *weights[j])
+        )
 
     def all_three():
-        first, (second, third) = kernels.side_by_side(
-            linears[0], lambda: kernels.side_by_side(linears[1], linears[2])
-        )
+        first, (second, third) = kernels.side_by_side(kernels.fp8_linear, (xs[0], *weights[0]), two, (1, 2))
         return first, second, third
 
     eager = [all_three() for _ in range(20)]
@@ -1369,7 +1429,7 @@ def _batch_op(op, batch, gen):
         x = rows(7168)
         idx = torch.rand(batch, 256, device="cuda", generator=gen).topk(8, -1).indices
         weights = torch.rand(batch, 8, device="cuda", generator=gen)
-        return lambda n: kernels.moe(x[:n], weights[:n], idx[:n], w13, s13, w2, s2)
+        return lambda n: kernels.moe_grouped(x[:n], weights[:n], idx[:n], w13, s13, w2, s2)
     ctx = 4096
     cache, table = _decode_rows(batch, ctx, cfg, gen)
 
@@ -1651,7 +1711,8 @@ def test_gpu_swiglu_linear_matches_reference(M, N, K):
     gen = torch.Generator("cuda").manual_seed(M + N + K)
     w, s = _fp8_weight(N, K, gen=gen)
     h = (torch.randn(M, 2 * K, generator=gen, device="cuda") * 2).to(m.BF16)
-    got, want = kernels.swiglu_linear(h, w, s).float(), m.swiglu_linear(h, w, s).float()
+    got = kernels.swiglu_linear(h, w, s).float()
+    want = m.fp8_linear(m.swiglu(h[:, :K], h[:, K:]), w, s).float()
     assert got.shape == (M, N) and ((got - want).norm() / want.norm()).item() < 1e-2
 
 
@@ -1665,7 +1726,7 @@ def _random_rows(lens_per_req, rows_per_req, gen, max_slots):
     B = len(lens_per_req)
     width = max(lens_per_req) + rows_per_req
     table = torch.stack([torch.randperm(max_slots, generator=gen, device="cuda")[:width] for _ in range(B)])
-    return m.Meta.build("verify", lens_per_req, [rows_per_req] * B, table)
+    return m.Meta.build("decode", lens_per_req, [rows_per_req] * B, table)
 
 
 @gpu
@@ -2465,6 +2526,17 @@ def experts_full():
     return _fp8_weight(256, 4096, 7168, gen=gen) + _fp8_weight(256, 7168, 2048, gen=gen)
 
 
+def stacked_experts(w13, s13, w2, s2):
+    """A stand-in for MoE.experts over the kernel's stacked weights: w1 | w3 are w13's halves."""
+    inter = w13.shape[1] // 2
+
+    def linear(w, s):
+        return SimpleNamespace(weight=w, scale=s, operands=lambda: (w, s))
+
+    w1 = linear(w13[:, :inter], s13[:, : inter // 128])
+    return SimpleNamespace(w1=w1, w3=linear(w13[:, inter:], s13[:, inter // 128 :]), w2=linear(w2, s2))
+
+
 def _moe_layout_reference(idx, E, block):
     """The grouped GEMMs' row layout, written out: experts 0 .. E (E: another rank's, as expert -1) in order,
     each one's (token, choice) pairs in pair order, padded with -1 rows to whole blocks; then -1 rows up to
@@ -2522,8 +2594,8 @@ def test_gpu_moe_kernel_matches_reference(experts_full, T, case):
         idx = torch.where(torch.rand(T, 8, generator=gen, device="cuda") < 0.3, 256, idx)
     weights = torch.rand(T, 8, generator=gen, device="cuda") + 0.1
     x = torch.randn(T, 7168, generator=gen, device="cuda").to(m.BF16)
-    got = kernels.moe(x, weights, idx, *experts_full)
-    want = m.moe_experts(x, weights, idx, *experts_full)
+    got = kernels.moe_grouped(x, weights, idx, *experts_full)
+    want = m.moe_experts(x, weights, idx, stacked_experts(*experts_full))
     err = ((got - want).norm() / want.norm()).item()
     print(f"MoE T={T} {case}: {idx.unique().numel()} experts used, rel err {err:.2e}")
     assert err < 1e-2
