@@ -1,7 +1,7 @@
 """bench.py: nano-nsa measured on a GPU. Prints the device, a table per part, and one JSON line at the end.
 
   python bench.py decode --layers 9 --mtp 0 1 3  # full width, batch 1-64, context 1K-128K, MTP off / on
-  python bench.py demo                           # the trained demo model: speculative decoding vs none
+  python bench.py demo                           # the trained demo model: MTP vs none, greedy and sampled
 
 Runs under torchrun too; random FP8 weights are built on the GPU. Retired, their numbers in README.md and
 docs/benchmarks.md: `fp8` (FP8 kernel micro-benchmarks) and the verify-attention comparison, in bench.py at
@@ -21,6 +21,7 @@ import time
 
 import torch
 
+import hf_checkpoint
 import nano_nsa as m
 from tools.checkpoint import random_model, write_byte_tokenizer
 
@@ -66,8 +67,7 @@ def hbm_bandwidth():
 
 
 def kernel_events(fn, totals=True):
-    """The CUDA kernels of one call of fn (torch.profiler): totals per kernel name, or (totals=False) each
-    launch."""
+    """The CUDA kernels of one call of fn (torch.profiler): totals per name, or (totals=False) each launch."""
     from torch.profiler import ProfilerActivity, profile
 
     fn()
@@ -81,8 +81,7 @@ def kernel_events(fn, totals=True):
 
 def busy_ms(launches):
     """The time at least one kernel runs: the union of the launches' intervals (two streams overlap)."""
-    busy = 0.0
-    end = -math.inf
+    busy, end = 0.0, -math.inf
     for e in sorted(launches, key=lambda e: e.time_range.start):
         busy += max(0.0, e.time_range.end - max(e.time_range.start, end))
         end = max(end, e.time_range.end)
@@ -96,8 +95,7 @@ def decode_batch(llm, bs, ctx, rounds, seed=0):
     reqs = []
     for i in range(bs):
         ids = torch.randint(6, llm.cfg.vocab_size, (ctx + 1,), generator=g).tolist()
-        gen = torch.Generator(llm.device)
-        r = m.Request(i, ids, ctx + 1, 1 << 30, 0.0, 1.0, gen, ctx + 1, num_cached=ctx)
+        r = m.Request(i, ids, ctx + 1, 1 << 30, 0.0, 1.0, i, ctx + 1, num_cached=ctx)
         reserved = llm.pool.reserve(r, ctx + (rounds + 3) * m.round_lookahead(llm.num_draft))
         assert reserved, "KV pool too small for the benchmark"
         r.draft = torch.randint(6, llm.cfg.vocab_size, (llm.num_draft,), device=llm.device)
@@ -105,21 +103,45 @@ def decode_batch(llm, bs, ctx, rounds, seed=0):
     return reqs
 
 
-def verify_meta(llm, reqs, starts, k):
-    """The metadata of a verify step: k + 1 rows per request from positions `starts`."""
-    return m.Meta.build("verify", starts, [k + 1] * len(reqs), llm.pool.table(reqs))
+def release(llm, reqs):
+    """Accept the round in flight (the runner keeps one), then give the requests' pages back."""
+    llm.runner.settle()
+    for r in reqs:
+        llm.pool.release(r)
 
 
 def time_rounds(llm, bs, ctx, rounds=12):
-    """Wall-clock ms per decode round (each ends with its one read-back) and tokens emitted per round."""
+    """Wall-clock ms per decode round and tokens emitted per round. Each call launches a round, then accepts
+    the one before (its one read-back): the runner keeps one in flight."""
     reqs = decode_batch(llm, bs, ctx, rounds + 2)
-    for _ in range(2):  # warm-up (captures this context bound's graphs)
-        llm.runner.decode_round(reqs)
+    for _ in range(2):  # warm-up (captures this batch's and context bound's round graph)
+        llm.runner.decode(reqs)
     n0 = sum(len(r.tokens) for r in reqs)
-    ms = host_time(lambda: llm.runner.decode_round(reqs), rounds, warmup=0)
-    for r in reqs:
-        llm.pool.release(r)
-    return ms, (sum(len(r.tokens) for r in reqs) - n0) / rounds
+    ms = host_time(lambda: llm.runner.decode(reqs), rounds, warmup=0)
+    tokens = sum(len(r.tokens) for r in reqs) - n0
+    release(llm, reqs)
+    return ms, tokens / rounds
+
+
+def verify_inputs(llm, reqs, ctx, k):
+    """(tokens, meta) of a round's verify pass: k + 1 rows per request from position ctx, under the context
+    bound the round's CUDA graph runs with (the indexer's width; the table padded with the dummy slot 0)."""
+    width = llm.graphs.width(ctx + m.round_lookahead(k))
+    table = llm.pool.table(reqs)
+    padded = torch.nn.functional.pad(table, (0, max(0, width - table.shape[1])))
+    meta = m.Meta.build("decode", [ctx] * len(reqs), [k + 1] * len(reqs), padded)
+    meta.max_ctx = width
+    return torch.randint(6, llm.cfg.vocab_size, (len(reqs) * (k + 1),), device="cuda"), meta
+
+
+def graph_of(fn):
+    """fn() captured as a CUDA graph, after an eager call that builds its kernels -> the graph's replay."""
+    fn()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return graph.replay
 
 
 def nbytes(*mods):
@@ -209,18 +231,18 @@ def profile_replay(fn, n_layers, top=12):
     n = sum(e.count for e in ev)
     ms = sum(e.device_time_total for e in ev) / 1e3
     rows = sorted(((e.key[:60], e.count, e.device_time_total / 1e3) for e in ev), key=lambda r: -r[2])[:top]
-    title = f"One replay of the bs=1 verify graph ({n_layers} layers): {n} kernels, {ms:.3f} ms in kernels"
+    title = f"One replay of bench's bs=1 verify graph ({n_layers} layers): {n} kernels, {ms:.3f} kernel ms"
     table(title, "kernel | launches | ms", rows)
     return dict(kernels=n, kernel_ms=ms, top=rows)
 
 
-def round_profile(llm, ctx, round_ms):
-    """Kernels of one whole bs=1 decode round (graph replays and the engine's own work), per main-model layer
-    (the verify graph's share), and the GPU's idle fraction: 1 - the time some kernel runs / round time."""
+def round_profile(llm, ctx, round_ms, verify_replay):
+    """Kernels of one whole bs=1 decode round (its graph's replay and the engine's own work), per main-model
+    layer (bench's verify graph), and the GPU's idle fraction: 1 - the time some kernel runs / round time."""
     reqs = decode_batch(llm, 1, ctx, 4)
-    launches = kernel_events(lambda: llm.runner.decode_round(reqs), totals=False)
-    verify = kernel_events(lambda: llm.runner.forward("verify", *verify_inputs(llm, reqs, ctx)))
-    llm.pool.release(reqs[0])
+    launches = kernel_events(lambda: llm.runner.decode(reqs), totals=False)
+    release(llm, reqs)
+    verify = kernel_events(verify_replay)
     busy = busy_ms(launches)
     per_layer = sum(e.count for e in verify) / llm.cfg.n_layers
     res = dict(round_kernels=len(launches), kernels_per_layer=per_layer, busy_ms=busy)
@@ -229,31 +251,27 @@ def round_profile(llm, ctx, round_ms):
     return res
 
 
-def verify_inputs(llm, reqs, ctx):
-    """(tokens, meta) of a verify step of reqs at context ctx."""
-    k = llm.num_draft
-    tokens = torch.randint(6, llm.cfg.vocab_size, (len(reqs) * (k + 1),), device="cuda")
-    return tokens, verify_meta(llm, reqs, [ctx] * len(reqs), k)
-
-
 def metadata_point(llm, k, bs, ctx):
-    """Host ms and kernels of a step's metadata (Meta.build), its shift for a draft step, and
-    a round's cost with it built once per step vs per layer and per draft step."""
+    """Host ms and kernels of a verify pass's metadata built from host lists (Meta.build), host ms of a draft
+    step's made on the device from positions (as the round makes it), and a round's cost with them built once
+    per step vs per layer and per draft step."""
     reqs = decode_batch(llm, bs, ctx, 2)
 
-    def build(j=0):
-        return verify_meta(llm, reqs, [r.num_cached + j for r in reqs], k)
+    def build(j):
+        return m.Meta.build("decode", [r.num_cached + j for r in reqs], [k + 1] * bs, llm.pool.table(reqs))
 
     t_build = host_time(lambda: build(int(time.perf_counter_ns() % 7) + 1), iters=10)  # new lengths: no reuse
-    base = build(1)
-    t_step = host_time(lambda: base.step(1), iters=10)
+    base = build(1)  # then a draft step's, made as nano_nsa.draft makes it
+    start, rows = base.positions[:: k + 1], torch.arange(bs, device="cuda")
+    t_draft = host_time(
+        lambda: m.Meta("decode", start + 1, rows, base.table, list(range(bs + 1)), base.max_ctx), iters=10
+    )
     launches = sum(e.count for e in kernel_events(lambda: build(9)))
-    for r in reqs:
-        llm.pool.release(r)
-    once = 2 * t_build + max(k - 2, 0) * t_step  # verify (extend reuses it), the first draft step, shifts
+    release(llm, reqs)
+    once = t_build + max(k - 1, 0) * t_draft  # verify (extend reuses it), then k - 1 draft steps
     # per layer: n_layers + 1 (MTP) layers, then k - 1 draft steps
     per_layer = dict(per_layer_ms=(llm.cfg.n_layers + k) * t_build, per_layer_61_ms=(61 + k) * t_build)
-    return dict(build_ms=t_build, shift_ms=t_step, kernels=launches, once_ms=once, **per_layer)
+    return dict(build_ms=t_build, draft_meta_ms=t_draft, kernels=launches, once_ms=once, **per_layer)
 
 
 def metadata_cost(llm, k, big_bs, ctx):
@@ -261,7 +279,7 @@ def metadata_cost(llm, k, big_bs, ctx):
     res = {f"bs{bs}": metadata_point(llm, k, bs, ctx) for bs in (1, big_bs)}
     table(
         f"Metadata per decode round (mtp={k}, {ctx} context): once per step vs per layer and per draft step",
-        "bs | build ms | shift ms | kernels | once/round ms | "
+        "bs | build ms | draft-step Meta ms (device) | kernels (build) | once/round ms | "
         f"per layer ms ({llm.cfg.n_layers}+1 layers) | per layer ms (61+1 layers)",
         [(b, *v.values()) for b, v in res.items()],
     )
@@ -280,32 +298,25 @@ def time_prefill(args, model, tok_dir, extra):
 
 
 def measure_point(llm, k, bs, ctx, bw):
-    """One row of the decode table -> (row, the replay of its verify graph)."""
+    """One row of the decode table -> (row, the replay of bench's verify graph)."""
     model, cfg, cache = llm.model, llm.cfg, llm.cache
     ms, toks = time_rounds(llm, bs, ctx)
     reqs = decode_batch(llm, bs, ctx, 2)
-    starts = [ctx] * bs
-    meta = verify_meta(llm, reqs, starts, k)
-    tokens = torch.randint(6, cfg.vocab_size, (bs * (k + 1),), device="cuda")
+    tokens, meta = verify_inputs(llm, reqs, ctx, k)
     h, seen = distinct_experts(model, lambda: model(tokens, meta, cache))
-    layers_b = step_bytes(cfg, model.layers, bs, k + 1, ctx, seen)
-    read = layers_b + nbytes(model.head)
-    if k:  # draft-extend and k-1 draft steps: the MTP layer and the head
-        read += mtp_bytes(llm, reqs, tokens, h, meta, k, ctx)
-    llm.runner.forward("verify", tokens, meta)  # static buffers for this step, then replay alone
-    bucket = next(b for b in llm.graphs.buckets["verify"] if b >= bs)
-    graph, _, _ = llm.graphs.graphs[("verify", bucket, llm.graphs.width(ctx + k + 1), 0)]
-    t_layers = cuda_time(graph.replay)
-    parts = time_parts(model, lambda: model(tokens, verify_meta(llm, reqs, starts, k), cache), graph.replay)
-    for r in reqs:
-        llm.pool.release(r)
+    graph_b = step_bytes(cfg, model.layers, bs, k + 1, ctx, seen) + nbytes(model.head)  # layers and head
+    read = graph_b + (mtp_bytes(llm, reqs, tokens, h, meta, k, ctx) if k else 0)  # + draft-extend, drafts
+    # bench's own graph of the verify pass alone (the engine captures the whole round as one graph)
+    replay = graph_of(lambda: model.logits(model(tokens, meta, cache)))
+    t_layers = cuda_time(replay)
+    parts = time_parts(model, lambda: model(tokens, meta, cache), replay)
+    release(llm, reqs)
     row = dict(mtp=k, bs=bs, ctx=ctx, round_ms=ms, tok_per_round=toks, tok_s=toks / ms * 1e3)
     row.update(tok_s_all_accepted=bs * (k + 1) / ms * 1e3, step_GB=read / 1e9, roofline=read / bw / ms * 1e3)
-    graph_b = layers_b + nbytes(model.head)  # the verify graph runs the layers and the head
     row.update(verify_graph_ms=t_layers, verify_graph_roofline=graph_b / bw / t_layers * 1e3)
     row.update(experts=round(statistics.mean(seen), 1) if seen else 0, tp=m.tp_size(), **parts)
     print(row, flush=True)
-    return row, graph.replay
+    return row, replay
 
 
 def decode_mtp(args, model, tok_dir, k, points, bw, extra):
@@ -315,7 +326,10 @@ def decode_mtp(args, model, tok_dir, k, points, bw, extra):
     opts = dict(kv_cache_bytes=positions * m.KVCache.bytes_per_token(model.cfg), max_batch=max(args.batch))
     t0 = time.perf_counter()
     llm = m.LLM(tok_dir, device="cuda", mtp=k, model=model, **opts)
-    t_capture = time.perf_counter() - t0
+    t_setup = time.perf_counter() - t0  # the prefill kernels and a warm-up generate
+    captures = []  # seconds of each round graph captured from here on (the engine captures at first use)
+    capture = llm.graphs.capture
+    llm.graphs.capture = lambda key: captures.append(host_time(lambda: capture(key), 1, 0) / 1e3)
     llm.cache.latent.normal_()
     for ik in llm.cache.ik:  # layer by layer: a few GB of fp32 at a time
         ik.copy_((torch.randn(ik.shape, device="cuda") * 8).to(m.FP8))
@@ -328,12 +342,12 @@ def decode_mtp(args, model, tok_dir, k, points, bw, extra):
         rows.append(row)
         if bs == 1 and ctx == points[0][1]:
             extra[f"profile_mtp{k}"] = profile_replay(replay, model.cfg.n_layers)
-            extra[f"round_mtp{k}"] = round_profile(llm, ctx, row["round_ms"])
+            extra[f"round_mtp{k}"] = round_profile(llm, ctx, row["round_ms"], replay)
     graphs = llm.graphs
     llm.runner.graphs = None  # CUDA graphs vs eager, bs=1 at the first context
     eager_ms, _ = time_rounds(llm, 1, args.contexts[0], rounds=4)
     llm.runner.graphs = graphs
-    versus = dict(eager_ms=eager_ms, graphs_ms=rows[0]["round_ms"], capture_s=t_capture)
+    versus = dict(eager_ms=eager_ms, graphs_ms=rows[0]["round_ms"], setup_s=t_setup, capture_s=sum(captures))
     extra[f"eager_vs_graphs_mtp{k}"] = dict(versus, graphs=len(graphs.graphs))
     if k == max(args.mtp):
         big = max(args.batch)
@@ -373,67 +387,88 @@ def decode(args, out):
         f"Decode rounds, Config.full(n_layers={args.layers}) + MTP layer, CUDA graphs; roofline = bytes the "
         f"round must read / measured HBM bandwidth ({bw / 1e12:.2f} TB/s) / round time",
         "mtp | bs | ctx | round ms | tokens/round | tokens/s | tokens/s if all drafts accepted | GB/round | "
-        "roofline | verify graph ms | verify graph roofline | experts/MoE layer | TP ranks | attention ms | "
-        "indexer ms | MoE ms | all-reduce ms",
+        "roofline | verify pass ms (own graph) | its roofline | experts/MoE layer | TP ranks | "
+        "attention ms | indexer ms | MoE ms | all-reduce ms",
         [tuple(r.values()) for r in res],
     )
     eager = [(key, *v.values()) for key, v in extra.items() if key.startswith("eager")]
-    table("CUDA graphs vs eager (bs=1)", "what | eager ms | graphs ms | capture s | graphs", eager)
+    header = "what | eager ms | graphs ms | LLM() s | capture s (graphs after LLM()) | round graphs"
+    table("CUDA graphs vs eager (bs=1)", header, eager)
     rounds = [(key, *v.values()) for key, v in extra.items() if key.startswith("round_mtp")]
-    header = (
-        "what | kernels in the round | kernels per layer (verify graph) | kernel ms | round ms | GPU idle"
-    )
+    header = "what | kernels in the round | kernels per layer (verify pass) | kernel ms | round ms | GPU idle"
     table("One bs=1 decode round", header, rounds)
-    plain = {(r["bs"], r["ctx"]): r["round_ms"] for r in res if r["mtp"] == 0}
+    plain = {(r["bs"], r["ctx"]): r["round_ms"] for r in res if r["mtp"] == 0}  # (nan: --mtp without 0)
     ratios = [
-        (r["mtp"], r["bs"], r["ctx"], r["round_ms"] / plain[r["bs"], r["ctx"]]) for r in res if r["mtp"]
+        (r["mtp"], r["bs"], r["ctx"], r["round_ms"] / plain.get((r["bs"], r["ctx"]), math.nan))
+        for r in res
+        if r["mtp"]
     ]
-    table(
-        "MTP round / plain round (same run)",
-        "mtp | bs | ctx | ratio",
-        [r for r in ratios if (r[1], r[2]) in plain],
-    )
-    extra["peak_gib"] = torch.cuda.max_memory_allocated() / 2**30
-    extra["kv_bytes_per_token"] = per_token
+    table("MTP round / plain round (same run)", "mtp | bs | ctx | ratio", ratios)
+    extra.update(peak_gib=torch.cuda.max_memory_allocated() / 2**30, kv_bytes_per_token=per_token)
     print(f"peak GPU memory {extra['peak_gib']:.1f} GiB, KV {per_token} B/token")
-    out["decode"] = res
-    out["decode_extra"] = extra
+    out.update(decode=res, decode_extra=extra)
+
+
+def demo_pass(llm, prompts, kind, bs):
+    """One pass over the prompts, 128 new tokens each, each alone (bs=1) or all in one generate call, prompt i
+    seeded i either way -> (tokens/s, results). kind "sampled": temperature 0.6, top_p 0.95."""
+    sampling = dict(temperature=0.6, top_p=0.95) if kind == "sampled" else {}
+    t0 = time.perf_counter()
+    if bs == 1:
+        got = [llm.generate(p, 128, seed=i, raw=True, **sampling)[0] for i, p in enumerate(prompts)]
+    else:
+        got = llm.generate(prompts, 128, seed=0, raw=True, **sampling)
+    return sum(len(r.token_ids) for r in got) / (time.perf_counter() - t0), got
 
 
 def demo(args, out):
-    """The demo model's held-out prompts at bs=1, greedy, --mtp 0, 1, 3: tokens/s end to end (the median of
-    three passes, the settings interleaved so that the machine's drift falls on each alike), mean accepted
-    length, speedup over --mtp 0 and whether the tokens equal its."""
-    with open(os.path.join(m.DEMO_DIR, "eval.json")) as f:
+    """The demo model's held-out prompts, tokens/s end to end (the median of three passes, the settings
+    interleaved so that the machine's drift falls on each alike). Greedy at bs=1, --mtp 0, 1, 3: speedup over
+    --mtp 0, mean accepted length, whether the tokens equal its. Sampled vs greedy at bs=1 and at one batch of
+    every prompt (one generate call), --mtp 0 and 3: their ratio, sampled --mtp 3 / 0, accepted length."""
+    with open(os.path.join(hf_checkpoint.DEMO_DIR, "eval.json")) as f:
         prompts = json.load(f)["prompts"]
+    n = len(prompts)
     llms = {k: m.LLM(device="cuda", mtp=k) for k in (0, 1, 3)}
-    speeds = {k: [] for k in llms}
-    outputs = {}  # each setting's results (the same in every pass: greedy)
-    for llm in llms.values():  # a first pass, not timed: JIT builds, a graph for every context bound
-        for p in prompts:
-            llm.generate(p, max_new_tokens=128, raw=True)
-    for _ in range(3):
-        for k, llm in llms.items():
-            t0 = time.perf_counter()
-            got = [llm.generate(p, max_new_tokens=128, raw=True)[0] for p in prompts]
-            speeds[k].append(sum(len(r.token_ids) for r in got) / (time.perf_counter() - t0))
-            outputs[k] = got
-    res = []
-    plain = outputs[0]
-    for k, got in outputs.items():
-        tok_s = statistics.median(speeds[k])
-        mean_accept = statistics.mean(a for r in got for a in r.accept_lengths) if k else 1
-        equal = sum(r.token_ids == p.token_ids for r, p in zip(got, plain, strict=True))
-        speedup = tok_s / statistics.median(speeds[0])
-        res.append(dict(mtp=k, tok_s=tok_s, speedup=speedup, mean_accept=mean_accept, equal_to_mtp0=equal))
-        print(res[-1], f"passes {[round(s) for s in speeds[k]]}", flush=True)
+    settings = [("greedy", 1, 1)]  # and greedy and sampled at bs=1 and bs=n with --mtp 0, 3
+    settings += [(kind, k, bs) for kind in ("greedy", "sampled") for k in (0, 3) for bs in (1, n)]
+    speeds = {s: [] for s in settings}
+    got = {}  # each setting's results (the same in every pass: greedy, or sampled with fixed seeds)
+    for i in range(4):  # pass 0 not timed: JIT builds, the round graphs
+        for kind, k, bs in settings:
+            tok_s, got[kind, k, bs] = demo_pass(llms[k], prompts, kind, bs)
+            if i:
+                speeds[kind, k, bs].append(tok_s)
+    for s in settings:
+        print(f"{s}: tokens/s of the passes {[round(x) for x in speeds[s]]}", flush=True)
+    tok_s = {s: statistics.median(v) for s, v in speeds.items()}
+    accept = {
+        s: statistics.mean(a for r in v for a in r.accept_lengths) if s[1] else 1 for s, v in got.items()
+    }
+    greedy, sampled = [], []
+    for k in (0, 1, 3):
+        s, plain = ("greedy", k, 1), ("greedy", 0, 1)
+        equal = sum(a.token_ids == b.token_ids for a, b in zip(got[s], got[plain], strict=True))
+        greedy.append(dict(mtp=k, tok_s=tok_s[s], speedup=tok_s[s] / tok_s[plain]))
+        greedy[-1].update(mean_accept=accept[s], equal_to_mtp0=equal)
+    for bs in (1, n):
+        for k in (0, 3):
+            s, g = ("sampled", k, bs), ("greedy", k, bs)
+            row = dict(bs=bs, mtp=k, tok_s=tok_s[s], greedy_tok_s=tok_s[g], vs_greedy=tok_s[s] / tok_s[g])
+            sampled.append(dict(row, vs_mtp0=tok_s[s] / tok_s["sampled", 0, bs], mean_accept=accept[s]))
     table(
-        f"demo model, bs=1, {len(prompts)} held-out prompts x 128 new tokens, greedy, CUDA graphs, median"
-        " of 3 passes",
+        f"demo model, bs=1, {n} held-out prompts x 128 new tokens, greedy, CUDA graphs, median of 3 passes",
         "--mtp | tokens/s | speedup vs --mtp 0 | mean accepted length | requests equal to --mtp 0",
-        [tuple(r.values()) for r in res],
+        [tuple(r.values()) for r in greedy],
     )
-    out["demo"] = res
+    table(
+        f"demo model, {n} held-out prompts x 128 new tokens, sampled (temperature 0.6, top_p 0.95, fixed "
+        f"seeds) vs greedy; bs={n}: one generate call; CUDA graphs, median of 3 passes",
+        "bs | --mtp | sampled tokens/s | greedy tokens/s | sampled / greedy | sampled / sampled --mtp 0 | "
+        "mean accepted length (sampled)",
+        [tuple(r.values()) for r in sampled],
+    )
+    out.update(demo=greedy, demo_sampling=sampled)
 
 
 MODES = dict(decode=decode, demo=demo)

@@ -686,11 +686,16 @@ def oracle_drafts(monkeypatch, prompts, reference, wrong_every=7):
     width = max(len(x) for x in seqs) + 64
     want = torch.tensor([x + [5] * (width - len(x)) for x in seqs])  # [n, width]: the token at each position
 
+    on_device = {}  # the table on each device, copied at the first (eager) call: a CUDA graph captures it
+
     def draft(model, cache, h, logits, start, batch, k):
-        seeds = batch.sp.seeds.cpu()[:, None]
-        pos = (start.cpu()[:, None] + 1 + torch.arange(k)).clamp(max=width - 1)  # d_1..d_k's positions
-        t = want[seeds.clamp(max=len(seqs) - 1), pos]
-        return torch.where((pos + seeds) % wrong_every == 0, (t + 1) % 262, t).to(start.device), None
+        if start.device not in on_device:
+            on_device[start.device] = want.to(start.device)
+        table = on_device[start.device]
+        seeds = batch.sp.seeds[:, None]
+        pos = (start[:, None] + 1 + torch.arange(k, device=start.device)).clamp(max=width - 1)  # d_1..d_k
+        t = table[seeds.clamp(max=len(seqs) - 1), pos]
+        return torch.where((pos + seeds) % wrong_every == 0, (t + 1) % 262, t), None
 
     monkeypatch.setattr(m, "draft", draft)
 
@@ -1571,7 +1576,7 @@ def test_gpu_full_width_logits_do_not_depend_on_the_batch(tmp_path, monkeypatch)
 
     alone = run(0, prompts[:1])[0]
     batch = run(0, prompts)
-    oracle_drafts(monkeypatch, [r.token_ids for r in batch])
+    oracle_drafts(monkeypatch, prompts, [r.token_ids for r in batch])
     verify = run(3, prompts[:1])[0]
     verify_batch = run(3, prompts)
     for name, got in dict(batch=batch[0], verify=verify, verify_batch=verify_batch[0]).items():
