@@ -131,7 +131,7 @@ def verify_inputs(llm, reqs, ctx, k):
     padded = torch.nn.functional.pad(table, (0, max(0, width - table.shape[1])))
     meta = m.Meta.build("decode", [ctx] * len(reqs), [k + 1] * len(reqs), padded)
     meta.max_ctx = width
-    return torch.randint(6, llm.cfg.vocab_size, (len(reqs) * (k + 1),), device="cuda"), meta
+    return torch.randint(6, llm.cfg.vocab_size, (len(reqs) * (k + 1),), device=llm.device), meta
 
 
 def graph_of(fn):
@@ -262,7 +262,7 @@ def metadata_point(llm, k, bs, ctx):
 
     t_build = host_time(lambda: build(int(time.perf_counter_ns() % 7) + 1), iters=10)  # new lengths: no reuse
     base = build(1)  # then a draft step's, made as nano_nsa.draft makes it
-    start, rows = base.positions[:: k + 1], torch.arange(bs, device="cuda")
+    start, rows = base.positions[:: k + 1], torch.arange(bs, device=llm.device)
     t_draft = host_time(
         lambda: m.Meta("decode", start + 1, rows, base.table, list(range(bs + 1)), base.max_ctx), iters=10
     )
