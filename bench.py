@@ -3,10 +3,9 @@
   python bench.py decode --layers 9 --mtp 0 1 3  # full width, batch 1-64, context 1K-128K, MTP off / on
   python bench.py demo                           # the trained demo model: MTP vs none, greedy and sampled
 
-Runs under torchrun too; random FP8 weights are built on the GPU. Retired, their numbers in README.md and
-docs/benchmarks.md: `fp8` (FP8 kernel micro-benchmarks) and the verify-attention comparison, in bench.py at
-commit 7ef31db; scaled_mm at fea361d; attention micro-benchmarks, checkpoint I/O, 32K prompts at 4a9f43d;
-`baseline` (HF transformers vs nano-nsa) at 66e33bf.
+Runs under torchrun too; random FP8 weights are built on the GPU. Retired modes (their numbers in
+docs/benchmarks.md): `fp8` and verify attention at 7ef31db, scaled_mm at fea361d, attention micro-benchmarks,
+checkpoint I/O, 32K prompts at 4a9f43d, `baseline` (HF transformers vs nano-nsa) at 66e33bf.
 """
 
 import argparse
@@ -135,13 +134,15 @@ def verify_inputs(llm, reqs, ctx, k):
 
 
 def graph_of(fn):
-    """fn() captured as a CUDA graph, after an eager call that builds its kernels -> the graph's replay."""
+    """fn() captured as a CUDA graph, after an eager call that builds its kernels -> the graph's replay, which
+    holds fn (the graph reads the tensors fn holds: freed, their memory would be reused)."""
     fn()
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         fn()
-    return graph.replay
+
+    return lambda: (graph.replay(), fn)  # (fn, and the tensors it holds, live as long as the replay)
 
 
 def nbytes(*mods):
