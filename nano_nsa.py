@@ -1549,8 +1549,8 @@ class Batch:
 
 def speculative_round(model, cache, batch: Batch):
     """One decode round of every request of the batch, on the device with no host synchronization (a CUDA
-    graph captures it whole) -> (emitted [B, k+1], counts [B], the verify logits [B, k+1, V]); `batch` then
-    holds the next round's inputs. The four phases:
+    graph captures it whole) -> (settled [B, k+2]: the emitted tokens, then how many; the verify logits [B,
+    k+1, V]); `batch` then holds the next round's inputs. The four phases:
     1. verify: the main model over x_L, d_1..d_k of every request, each a decode row of its own, with its own
        position and causal length (the indexer masks each row's future before its top-k);
     2. accept: the drafts the main model agrees with, then one token of its own (accept);
@@ -1579,7 +1579,7 @@ def speculative_round(model, cache, batch: Batch):
             batch.q.copy_(q)
     batch.tokens.copy_(next_tokens)
     batch.start.add_(counts * batch.live)
-    return emitted, counts, logits
+    return torch.cat([emitted, counts[:, None]], 1), logits
 
 
 def draft(model, cache, h, logits, start, batch, k):
@@ -1663,49 +1663,49 @@ class Runner:
             self.prefill_mtp(chunks, h, meta, [b for b in done if reqs[b].finish is None])
 
     def prefill_mtp(self, chunks, h, meta, going):
-        """The MTP layer over a prefill step's rows: position p pairs the main hidden h_p with the next token
-        x_{p+1}; the requests `going` (their prompt done, not finished) then draft from their last row."""
-        reqs = [r for r, _, _ in chunks]
+        """The MTP layer over a prefill step's rows (its KV): position p pairs the main hidden h_p with the
+        next token x_{p+1}. A request whose prompt is done (`going`: not finished) draws d_1 from its last
+        row; the other drafts of its first round repeat d_1 (drawn from a one-hot q: any q keeps acceptance
+        exact), and its chained draft steps start with that round's draft phase."""
         next_tokens = [r.tokens[s + i + 1] if r.finish is None else 0 for r, s, n in chunks for i in range(n)]
         h = self.model.mtp_forward(torch.tensor(next_tokens, device=self.device), h, meta, self.cache)
         if not going:
             return
-        drafting = [reqs[b] for b in going]
-        h = h[[meta.cu_seqlens[b + 1] - 1 for b in going]]
-        start = to_device(torch.tensor([r.num_cached for r in drafting]), self.device)
-        bound = max(r.num_cached for r in drafting) + self.num_draft
-        batch = Batch(
-            None, None, None, self.pool.table(drafting), None, Sampling.of(drafting, self.device), bound
-        )
-        drafts, q = draft(
-            self.model, self.cache, h, self.model.mtp[0].logits(h), start, batch, self.num_draft
-        )
-        for b, r in enumerate(drafting):
-            r.draft, r.q = drafts[b], None if q is None else q[b]
+        reqs = [chunks[b][0] for b in going]
+        logits = self.model.mtp[0].logits(h[[meta.cu_seqlens[b + 1] - 1 for b in going]])
+        start = to_device(torch.tensor([r.num_cached for r in reqs]), self.device)
+        d1, q1 = draw(logits, Sampling.of(reqs, self.device), start + 1, DRAFT)
+        for b, r in enumerate(reqs):
+            r.draft = d1[b].repeat(self.num_draft)
+            if q1 is not None:
+                again = F.one_hot(d1[b], q1.shape[-1]).to(q1.dtype).expand(self.num_draft - 1, -1)
+                r.q = torch.cat([q1[b : b + 1], again])
 
     def decode(self, reqs):
         """One speculative round of `reqs`: launched from the inputs the last round left on the device while
         the batch stays the same, else (accepting the round in flight first) from the host's state."""
         same = self.launched is not None and self.launched[0] == reqs
-        if same:  # the pages reserved since, and a bound on contexts the host knows only roughly
-            self.batch.table = self.pool.table(reqs)
-            self.batch.max_ctx = max(r.num_cached for r in reqs) + round_lookahead(self.num_draft)
-        else:
+        if not same:
             self.settle()
             self.batch = self.new_batch(reqs)
+        table = self.pool.table(reqs)  # (with the pages reserved since the last round)
+        bound = max(r.num_cached for r in reqs) + round_lookahead(
+            self.num_draft
+        )  # (the host is a round behind)
         if self.graphs:
-            self.batch, (emitted, counts, logits) = self.graphs.run(self.batch)
+            self.batch, (settled, logits) = self.graphs.run(self.batch, len(reqs), table, bound)
         else:
-            emitted, counts, logits = speculative_round(self.model, self.cache, self.batch)
+            self.batch.table, self.batch.max_ctx = table, bound
+            settled, logits = speculative_round(self.model, self.cache, self.batch)
         if any(r.return_logits for r in reqs):  # (a CUDA graph's next replay overwrites them)
             logits = logits.clone()
-        launched = (reqs, start_read_back(torch.cat([emitted, counts[:, None]], 1)), logits)
-        previous, self.launched = (self.launched if same else None), launched
+        previous, self.launched = (self.launched if same else None), (reqs, start_read_back(settled), logits)
         if previous:
             self.accept(*previous)
 
     def new_batch(self, reqs):
-        """A round's inputs from the host's state: each request's last token, position and drafts."""
+        """A round's inputs from the host's state: each request's last token, position and drafts (its table
+        and context bound are set at each round)."""
         k = self.num_draft
         host = to_device(torch.tensor([[r.tokens[-1], r.num_cached] for r in reqs]), self.device)
         tokens = host[:, :1]
@@ -1717,9 +1717,8 @@ class Runner:
             V = self.cfg.vocab_size
             q = torch.stack([r.q if r.q is not None else F.one_hot(r.draft, V) for r in reqs])
             q = q.to(acc_dtype(tokens))
-        bound = max(r.num_cached for r in reqs) + round_lookahead(k)
         live = torch.ones(len(reqs), dtype=torch.long, device=self.device)
-        return Batch(tokens, host[:, 1].clone(), q, self.pool.table(reqs), live, sp, bound)
+        return Batch(tokens, host[:, 1].clone(), q, None, live, sp, 0)
 
     def settle(self):
         """Accept the round in flight, if any, and keep each request's next drafts (the batch will change)."""
@@ -1728,13 +1727,14 @@ class Runner:
         reqs = self.launched[0]
         self.accept(*self.launched)
         self.launched = None
+        sampled = self.batch.sp.sampling and self.num_draft
         for b, r in enumerate(reqs):
             r.draft = self.batch.tokens[b, 1:].clone()
-            r.q = None if self.batch.q is None else self.batch.q[b].clone()
+            r.q = self.batch.q[b].clone() if sampled else None
 
     def accept(self, reqs, read_back, logits):
         """Apply a launched round to its requests (its one read-back): each emits its accepted tokens."""
-        for b, (r, row) in enumerate(zip(reqs, read_back(), strict=True)):
+        for b, (r, row) in enumerate(zip(reqs, read_back(), strict=False)):  # (a graph's padding rows last)
             if r.finish is not None:  # it finished the round before (this round was in flight)
                 continue
             new = row[: row[-1]]
@@ -1794,39 +1794,35 @@ class CudaGraphs:
             return topk
         return min(1 << (max_ctx - 1).bit_length(), self.max_width)
 
-    def run(self, batch: Batch):
-        """Replay the round for `batch` -> (the static buffers' view of it, which holds the next round's
-        inputs after the replay, the round's outputs)."""
-        B, s = len(batch.tokens), self.static
+    def run(self, batch: Batch, B, table, max_ctx):
+        """Replay the round for the B requests of `batch` (the host's inputs, or the static ones the last
+        replay left), with their page table and a bound on their contexts -> (the static inputs, which hold
+        the next round's after the replay, the round's outputs; rows past B are padding)."""
+        s = self.static
         bs = next(b for b in self.buckets if b >= B)
-        key = (bs, self.width(batch.max_ctx), batch.sp.sampling)
-        if batch.tokens.data_ptr() != s.tokens.data_ptr():  # inputs from the host: copied in, padded
+        key = (bs, self.width(max_ctx), batch.sp.sampling)
+        if batch is not s:  # inputs from the host: copied in, padded
             self.load(batch, B, bs)
-        s.table[:B, : batch.table.shape[1]] = batch.table  # the pages reserved since the last round
-        s.table[B:bs, : key[1]] = 0  # (so every position of a padding row is the dummy slot)
+        s.table[:B, : table.shape[1]] = table
+        if B < bs:
+            s.table[B:bs, : key[1]] = 0  # (so every position of a padding row is the dummy slot)
         if key not in self.graphs:
             self.capture(key)
         graph, out = self.graphs[key]
         graph.replay()
-        view = self.view(B, key[1], batch.sp.sampling)
-        view.max_ctx = batch.max_ctx
-        return view, tuple(o[:B] for o in out)
+        return s, out
 
     def load(self, batch, B, bs):
         s = self.static
         if batch.q is not None and s.q is None:  # the first sampling batch: drafts' distributions
             s.q = torch.zeros(len(s.tokens), *batch.q.shape[1:], dtype=batch.q.dtype, device=batch.q.device)
-        for mine, theirs in (
-            (s.tokens, batch.tokens),
-            (s.start, batch.start),
-            (s.live, batch.live),
-            (s.sp.seeds, batch.sp.seeds),
-            (s.sp.temperature, batch.sp.temperature),
-            (s.sp.top_p, batch.sp.top_p),
-        ):
+        pairs = [(s.tokens, batch.tokens), (s.start, batch.start), (s.live, batch.live)]
+        pairs += [(getattr(s.sp, f), getattr(batch.sp, f)) for f in ("seeds", "temperature", "top_p")]
+        for mine, theirs in pairs:
             mine[:B] = theirs
             mine[B:bs] = 0
         s.sp.top_p[B:bs] = 1
+        s.sp.sampling = batch.sp.sampling
         if batch.q is not None:
             s.q[:B] = batch.q
 
