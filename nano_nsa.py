@@ -1219,10 +1219,14 @@ def uniform(seeds, positions, stream, n):
     return ((bits >> 8).float() + 0.5) / (1 << 24)  # 24 bits: exact in fp32, never 0 or 1
 
 
-def sample(probs, seeds, positions, stream):
+TORCH_OPS.uniform = uniform  # the kernel boundary's one engine op (kernels.uniform: one launch on a GPU)
+
+
+def sample(ops, probs, seeds, positions, stream):
     """One draw from each row of probs [..., V] (weights, not necessarily normalized) by the exponential race:
-    argmax p / E with E ~ Exp(1) is an exact draw from p, with no host round trip (E from `uniform`)."""
-    e = -torch.log(uniform(seeds, positions, stream, probs.shape[-1]))
+    argmax p / E with E ~ Exp(1) is an exact draw from p, with no host round trip (E from `uniform`, through
+    the kernel set `ops`: one kernel on the GPU)."""
+    e = -torch.log(ops.uniform(seeds, positions, stream, probs.shape[-1]))
     return (probs / e.to(probs.dtype)).argmax(-1)
 
 
@@ -1258,13 +1262,13 @@ class Sampling:
         return cls(seeds, rest[:, 0], rest[:, 1], any(r.temperature > 0 for r in reqs))
 
 
-def draw(logits, sp: Sampling, positions, stream):
+def draw(ops, logits, sp: Sampling, positions, stream):
     """One token per row from logits [B, V] -> (tokens [B], the distributions drawn from [B, V]; None for a
     greedy batch, whose tokens are the argmax)."""
     if not sp.sampling:
         return logits.argmax(-1), None
     p = probs_from_logits(logits, sp.temperature, sp.top_p)
-    return sample(p, sp.seeds, positions, stream), p
+    return sample(ops, p, sp.seeds, positions, stream), p
 
 
 def residual_probs(p, q):
@@ -1273,7 +1277,7 @@ def residual_probs(p, q):
     return torch.where(r.amax(-1, keepdim=True) > 0, r, p)
 
 
-def accept(tokens, logits, q, sp: Sampling, start):
+def accept(ops, tokens, logits, q, sp: Sampling, start):
     """Speculative acceptance of every request at once, on the device. tokens [B, k+1]: x_L then the drafts
     d_1..d_k (d_j at position L+j, L = start [B]); logits [B, k+1, V]: the main model's at those rows; q [B,
     k, V]: the distributions the drafts were drawn from -> (emitted [B, k+1]: the accepted drafts, then one
@@ -1291,10 +1295,10 @@ def accept(tokens, logits, q, sp: Sampling, start):
     q = zero if q is None else torch.cat([q, zero], 1)  # [B, k+1, V]: after k acceptances, p itself
     positions = start[:, None] + 1 + torch.arange(n, device=start.device)  # of the token each row decides
     px, qx = (d[:, :-1].gather(-1, drafts[..., None])[..., 0] for d in (p, q))  # [B, k]
-    u = uniform(sp.seeds[:, None], positions[:, :-1], ACCEPT, 1)[..., 0]
+    u = ops.uniform(sp.seeds[:, None], positions[:, :-1], ACCEPT, 1)[..., 0]
     a = (u * qx <= px).long().cumprod(1).sum(1)  # [B] accepted drafts
     rows = torch.arange(B, device=start.device)
-    last = sample(residual_probs(p[rows, a], q[rows, a]), sp.seeds, positions[rows, a], TARGET)
+    last = sample(ops, residual_probs(p[rows, a], q[rows, a]), sp.seeds, positions[rows, a], TARGET)
     emitted = torch.cat([drafts, last[:, None]], 1).scatter(1, a[:, None], last[:, None])
     return emitted, a + 1
 
@@ -1565,7 +1569,7 @@ def speculative_round(model, cache, batch: Batch):
     meta = Meta("decode", positions, rows, batch.table, list(range(0, B * n + 1, n)), batch.max_ctx)
     h = model(batch.tokens.flatten(), meta, cache)
     logits = model.logits(h).view(B, n, -1)
-    emitted, counts = accept(batch.tokens, logits, batch.q, batch.sp, batch.start)
+    emitted, counts = accept(model.ops, batch.tokens, logits, batch.q, batch.sp, batch.start)
     next_tokens = emitted  # (k = 0: the one token emitted)
     if n > 1:
         kept = (offsets < counts[:, None]).flatten()  # [B*(k+1)] the rows whose x was emitted
@@ -1597,7 +1601,7 @@ def draft(model, cache, h, logits, start, batch, k):
             layer = min(step, len(model.mtp) - 1)
             h = model.mtp_forward(tokens[-1], h, meta, cache, layer)
             logits = model.mtp[layer].logits(h)
-        token, q = draw(logits, batch.sp, start + step + 1, DRAFT)
+        token, q = draw(model.ops, logits, batch.sp, start + step + 1, DRAFT)
         tokens.append(token)
         dists.append(q)
     q = torch.stack(dists, 1) if batch.sp.sampling else None
@@ -1656,7 +1660,7 @@ class Runner:
             logits = self.model.logits(h[[last[b] for b in done]])
             done_reqs = [reqs[b] for b in done]
             start = to_device(torch.tensor([r.num_cached for r in done_reqs]), self.device)
-            first, _ = draw(logits, Sampling.of(done_reqs, self.device), start, TARGET)
+            first, _ = draw(self.model.ops, logits, Sampling.of(done_reqs, self.device), start, TARGET)
             for r, t, row in zip(done_reqs, first.tolist(), logits, strict=True):
                 r.emit([t], row[None], self.cfg.eos_token_id)
         if self.num_draft:  # the MTP layer's KV of the same rows, and the drafts of prompts that are done
@@ -1674,7 +1678,7 @@ class Runner:
         reqs = [chunks[b][0] for b in going]
         logits = self.model.mtp[0].logits(h[[meta.cu_seqlens[b + 1] - 1 for b in going]])
         start = to_device(torch.tensor([r.num_cached for r in reqs]), self.device)
-        d1, q1 = draw(logits, Sampling.of(reqs, self.device), start + 1, DRAFT)
+        d1, q1 = draw(self.model.ops, logits, Sampling.of(reqs, self.device), start + 1, DRAFT)
         for b, r in enumerate(reqs):
             r.draft = d1[b].repeat(self.num_draft)
             if q1 is not None:

@@ -753,10 +753,10 @@ def _sample_spec(p, q, n_seeds):
     seeds = torch.arange(n_seeds)
     start = torch.zeros(n_seeds, dtype=torch.long)
     qs = q[None].expand(n_seeds, -1, -1).double()
-    drafts = m.sample(qs, seeds[:, None], 1 + torch.arange(k), m.DRAFT)  # [n, k]
+    drafts = m.sample(m.TORCH_OPS, qs, seeds[:, None], 1 + torch.arange(k), m.DRAFT)  # [n, k]
     tokens = torch.cat([torch.zeros(n_seeds, 1, dtype=torch.long), drafts], 1)
     sp = m.Sampling(seeds, torch.ones(n_seeds), torch.ones(n_seeds), True)
-    emitted, counts = m.accept(tokens, p.log()[None].expand(n_seeds, -1, -1), qs, sp, start)
+    emitted, counts = m.accept(m.TORCH_OPS, tokens, p.log()[None].expand(n_seeds, -1, -1), qs, sp, start)
     return [e[:c].tolist() for e, c in zip(emitted, counts, strict=True)]
 
 
@@ -771,10 +771,11 @@ def test_rejection_sampling_is_exact(monkeypatch, broken):
     if broken == "residual":
         monkeypatch.setattr(m, "residual_probs", lambda p_, q_: p_)  # resample from p instead of max(p-q, 0)
     elif broken == "always_accept":
-        uniform = m.uniform
-        monkeypatch.setattr(
-            m, "uniform", lambda s, pos, stream, n: uniform(s, pos, stream, n) * (stream != m.ACCEPT)
-        )
+
+        def never_rejects(seeds, positions, stream, n):  # the acceptance test's numbers all 0
+            return m.uniform(seeds, positions, stream, n) * (stream != m.ACCEPT)
+
+        monkeypatch.setattr(m.TORCH_OPS, "uniform", never_rejects)
     outs = _sample_spec(p, q, 12000)
     first = torch.bincount(torch.tensor([o[0] for o in outs]), minlength=6).double()
     second = torch.bincount(torch.tensor([o[1] for o in outs if len(o) > 1]), minlength=6).double()
@@ -1590,6 +1591,22 @@ def test_gpu_full_width_logits_do_not_depend_on_the_batch(tmp_path, monkeypatch)
 
 
 @gpu
+@pytest.mark.parametrize("n", [1, 5, 2048, 129280])
+def test_gpu_uniform_kernel_is_bit_exact(n):
+    """Sampling's counter-based uniform numbers: the kernel gives the reference's bits for random seeds (up to
+    2^63) and positions, broadcast as the engine calls it (a seed per request, positions per draft)."""
+    import kernels
+
+    gen = torch.Generator().manual_seed(n)
+    seeds = torch.randint(0, 2**63 - 1, (7, 1), generator=gen)
+    positions = torch.randint(0, 200000, (7, 3), generator=gen)
+    want = m.uniform(seeds, positions, m.ACCEPT, n)
+    got = kernels.uniform(seeds.cuda(), positions.cuda(), m.ACCEPT, n).cpu()
+    assert got.shape == want.shape == (7, 3, n) and torch.equal(got, want)
+    assert 0 < want.min() and want.max() < 1 and abs(want.mean().item() - 0.5) < 0.05
+
+
+@gpu
 @pytest.mark.parametrize("heads", [64, 0])
 def test_gpu_index_quant_kernel_matches_reference(heads):
     """The indexer's q (64 heads) and k (no head dim): RoPE + Hadamard as one tensor-core product + act-quant
@@ -1981,7 +1998,7 @@ def test_speculative_sampling_follows_main_model_end_to_end(tiny_dir, monkeypatc
     test_rejection_sampling_is_exact.)"""
     if broken:
         accept = m.accept
-        monkeypatch.setattr(m, "accept", lambda t, lg, *a: accept(t, torch.roll(lg, -1, 1), *a))
+        monkeypatch.setattr(m, "accept", lambda ops, t, lg, *a: accept(ops, t, torch.roll(lg, -1, 1), *a))
     llm = make_llm(tiny_dir, 1, max_batch=2048)
     monkeypatch.setattr(llm.cfg, "eos_token_id", -1)  # EOS would hide the logits row of the 2nd token
     T = 0.6
