@@ -1603,7 +1603,9 @@ def test_gpu_uniform_kernel_is_bit_exact(n):
     want = m.uniform(seeds, positions, m.ACCEPT, n)
     got = kernels.uniform(seeds.cuda(), positions.cuda(), m.ACCEPT, n).cpu()
     assert got.shape == want.shape == (7, 3, n) and torch.equal(got, want)
-    assert 0 < want.min() and want.max() < 1 and abs(want.mean().item() - 0.5) < 0.05
+    assert 0 < want.min() and want.max() < 1
+    if n >= 2048:  # (a mean over enough numbers)
+        assert abs(want.mean().item() - 0.5) < 0.01
 
 
 @gpu
