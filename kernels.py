@@ -799,6 +799,105 @@ def uniform(seeds, positions, stream, n):
     return out.view(*shape, n)
 
 
+# ---- Sampling distributions: softmax(logits / T) cut to the top-p nucleus, one program per row ----
+@triton.jit
+def _probs_block(x_ptr, row, start, cols, V, temp, m, z):
+    """The softmax probabilities of one block of a row (m, z: the row's max of logits / T and its sum)."""
+    mask = start + cols < V
+    y = tl.load(x_ptr + row + start + cols, mask=mask, other=-float("inf")) / temp
+    return tl.where(mask, tl.exp(y - m) / z, 0.0), mask
+
+
+@triton.jit
+def _nucleus(p, mask, v0, g0, top_p, tied_before):
+    """Which of a block's p the nucleus keeps: all above the threshold v0, and of those equal to it the first
+    ones in index order while the mass before them (g0 above v0, then the ties before) stays below top_p."""
+    tied = (p == v0) & mask
+    rank = tied_before + tl.cumsum(tied.to(tl.int32), 0) - tied.to(tl.int32)
+    keep = (p > v0) | (tied & (g0 + rank.to(tl.float32) * v0 < top_p))
+    return keep & mask, tied_before + tl.sum(tied.to(tl.int32), 0)
+
+
+@triton.jit
+def _probs_kernel(
+    x_ptr, temp_ptr, top_p_ptr, out_ptr, V: tl.constexpr, BLOCK: tl.constexpr, SEARCH: tl.constexpr
+):
+    """One row per program, in passes over its V logits in blocks: the max and first argmax, the softmax sum,
+    31 bisection steps for the nucleus threshold (over float bits: the mass above v falls as v rises), the
+    kept mass, then the distribution written out."""
+    r = tl.program_id(0)
+    row = r.to(tl.int64) * V
+    t = tl.load(temp_ptr + r)
+    top_p = tl.load(top_p_ptr + r)
+    temp = tl.where(t == 0, 1.0, t)
+    cols = tl.arange(0, BLOCK)
+    m = tl.zeros([], tl.float32) - float("inf")
+    first = tl.zeros([], tl.int32)
+    for start in range(0, V, BLOCK):
+        y = tl.load(x_ptr + row + start + cols, mask=start + cols < V, other=-float("inf")) / temp
+        best = tl.max(y, 0)
+        first = tl.where(best > m, start + tl.argmax(y, 0), first)
+        m = tl.maximum(m, best)
+    z = tl.zeros([], tl.float32)
+    for start in range(0, V, BLOCK):
+        y = tl.load(x_ptr + row + start + cols, mask=start + cols < V, other=-float("inf")) / temp
+        z += tl.sum(tl.exp(y - m), 0)
+    lo = tl.zeros([], tl.int64)
+    hi = tl.where(top_p < 1.0, 0x3F800000, 0).to(tl.int64)  # bits of 1.0 (nothing above it), or 0 (keep all)
+    k = tl.arange(0, 16)
+    for _ in range(8):  # a 17-way search: the range of candidate bits shrinks 17 times a pass, 2^30 in 8
+        c = lo + ((hi - lo) * (k + 1)) // 17  # [16] candidate thresholds, as float bits
+        v = c.to(tl.int32).to(tl.float32, bitcast=True)
+        g = tl.zeros([16], tl.float32)  # the mass above each candidate
+        for start in range(0, V, SEARCH):
+            p, _ = _probs_block(x_ptr, row, start, tl.arange(0, SEARCH), V, temp, m, z)
+            g += tl.sum(tl.where(p[:, None] > v[None, :], p[:, None], 0.0), 0)
+        n_above = tl.sum((g >= top_p).to(tl.int32), 0)  # candidates with too much mass above: the first ones
+        hi = tl.where(n_above < 16, tl.sum(tl.where(k == n_above, c, 0), 0), hi)
+        lo = tl.where(n_above > 0, tl.sum(tl.where(k == n_above - 1, c, 0), 0) + 1, lo)
+    v0 = hi.to(tl.int32).to(tl.float32, bitcast=True)
+    g0 = tl.zeros([], tl.float32)
+    for start in range(0, V, BLOCK):
+        p, _ = _probs_block(x_ptr, row, start, cols, V, temp, m, z)
+        g0 += tl.sum(tl.where(p > v0, p, 0.0), 0)
+    kept_mass = tl.zeros([], tl.float32)
+    tied = tl.zeros([], tl.int32)
+    for start in range(0, V, BLOCK):
+        p, mask = _probs_block(x_ptr, row, start, cols, V, temp, m, z)
+        keep, tied = _nucleus(p, mask, v0, g0, top_p, tied)
+        kept_mass += tl.sum(tl.where(keep, p, 0.0), 0)
+    tied = tl.zeros([], tl.int32)
+    for start in range(0, V, BLOCK):
+        p, mask = _probs_block(x_ptr, row, start, cols, V, temp, m, z)
+        keep, tied = _nucleus(p, mask, v0, g0, top_p, tied)
+        out = tl.where(keep, p / kept_mass, 0.0)
+        out = tl.where(t == 0, (start + cols == first).to(tl.float32), out)
+        tl.store(out_ptr + row + start + cols, out, mask=mask)
+
+
+def probs_from_logits(logits, temperature, top_p):
+    """Kernel of nano_nsa.probs_from_logits: one launch for every row instead of some twenty kernels (a
+    sampled round runs k + 1 of them). Its sums run in another order than the reference's, which may move a
+    token at the nucleus' edge where the mass before it is within rounding of top_p."""
+    shape = logits.shape
+    x = logits.reshape(-1, shape[-1]).float().contiguous()
+    t = temperature.expand(shape[:-1]).reshape(-1).float().contiguous()
+    tp = top_p.expand(shape[:-1]).reshape(-1).float().contiguous()
+    out = torch.empty_like(x)
+    V = x.shape[1]
+    if len(x):
+        _probs_kernel[(len(x),)](
+            x,
+            t,
+            tp,
+            out,
+            V,
+            BLOCK=min(1024, triton.next_power_of_2(V)),
+            SEARCH=min(256, triton.next_power_of_2(V)),
+        )
+    return out.view(shape)
+
+
 # ---- The kernel set: the names and signatures of nano_nsa.TORCH_OPS ----
 def bf16_dtype(w):
     """bf16, whatever w's dtype: attn_dtype (wkv_b's absorbed halves) and dense_dtype (plain weights)."""
@@ -826,6 +925,7 @@ GPU_OPS = SimpleNamespace(
     moe=moe,
     side_by_side=side_by_side,
     uniform=uniform,
+    probs_from_logits=probs_from_logits,
     attn_dtype=bf16_dtype,
     dense_dtype=bf16_dtype,
 )

@@ -1219,7 +1219,7 @@ def uniform(seeds, positions, stream, n):
     return ((bits >> 8).float() + 0.5) / (1 << 24)  # 24 bits: exact in fp32, never 0 or 1
 
 
-TORCH_OPS.uniform = uniform  # the kernel boundary's one engine op (kernels.uniform: one launch on a GPU)
+TORCH_OPS.uniform = uniform  # the kernel boundary's engine ops (kernels.py: one launch each on a GPU)
 
 
 def sample(ops, probs, seeds, positions, stream):
@@ -1235,7 +1235,7 @@ def probs_from_logits(logits, temperature, top_p):
     (the most likely tokens until they hold top_p) and renormalized; one-hot on the argmax where T = 0
     (greedy). temperature, top_p [...] per row. No row sum: torch orders a sum's terms by the number of rows,
     so a row's total is the last of its cumulative sums, and its bits do not depend on its batch."""
-    greedy = (temperature == 0)[..., None]
+    greedy = (temperature == 0)[..., None]  # (kernels.probs_from_logits: one launch, no sort)
     p = torch.softmax(logits.to(acc_dtype(logits)) / torch.where(greedy, 1.0, temperature[..., None]), -1)
     sp, si = p.sort(dim=-1, descending=True, stable=True)
     before = sp.cumsum(-1) - sp  # the mass of the tokens more likely than each
@@ -1243,6 +1243,9 @@ def probs_from_logits(logits, temperature, top_p):
     p = torch.zeros_like(p).scatter_(-1, si, sp / sp.cumsum(-1)[..., -1:])
     onehot = F.one_hot(logits.argmax(-1), logits.shape[-1]).to(p.dtype)
     return torch.where(greedy, onehot, p)
+
+
+TORCH_OPS.probs_from_logits = probs_from_logits
 
 
 @dataclass
@@ -1267,7 +1270,7 @@ def draw(ops, logits, sp: Sampling, positions, stream):
     greedy batch, whose tokens are the argmax)."""
     if not sp.sampling:
         return logits.argmax(-1), None
-    p = probs_from_logits(logits, sp.temperature, sp.top_p)
+    p = ops.probs_from_logits(logits, sp.temperature, sp.top_p)
     return sample(ops, p, sp.seeds, positions, stream), p
 
 
@@ -1290,7 +1293,7 @@ def accept(ops, tokens, logits, q, sp: Sampling, start):
     if not sp.sampling:
         target = logits.argmax(-1)  # [B, k+1]: the accepted drafts equal it
         return target, (drafts == target[:, :-1]).cumprod(1).sum(1) + 1
-    p = probs_from_logits(logits, sp.temperature[:, None], sp.top_p[:, None])  # [B, k+1, V]
+    p = ops.probs_from_logits(logits, sp.temperature[:, None], sp.top_p[:, None])  # [B, k+1, V]
     zero = torch.zeros_like(p[:, :1])
     q = zero if q is None else torch.cat([q, zero], 1)  # [B, k+1, V]: after k acceptances, p itself
     positions = start[:, None] + 1 + torch.arange(n, device=start.device)  # of the token each row decides

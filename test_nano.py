@@ -1591,6 +1591,26 @@ def test_gpu_full_width_logits_do_not_depend_on_the_batch(tmp_path, monkeypatch)
 
 
 @gpu
+@pytest.mark.parametrize("V", [7, 2048, 129280])
+def test_gpu_probs_kernel_matches_reference(V):
+    """Sampling distributions (softmax / T cut to the top-p nucleus; one-hot for T = 0) from the one-launch
+    kernel vs the reference's sort: the same kept tokens (ties included) and probabilities within fp32
+    rounding, for temperatures 0-2 and top-p 0.5-1, as a round calls it ([B, k+1, V] with per-request
+    settings)."""
+    import kernels
+
+    gen = torch.Generator().manual_seed(V)
+    logits = torch.randn(4, 3, V, generator=gen) * 3
+    logits[0, 0, :3] = logits[0, 0, 3]  # tied tokens
+    temperature = torch.tensor([0.6, 0.0, 1.0, 2.0])[:, None]
+    top_p = torch.tensor([0.95, 0.9, 1.0, 0.5])[:, None]
+    want = m.probs_from_logits(logits.cuda(), temperature.cuda(), top_p.cuda()).cpu()
+    got = kernels.probs_from_logits(logits.cuda(), temperature.cuda(), top_p.cuda()).cpu()
+    assert torch.equal(got > 0, want > 0)
+    assert (got - want).abs().max() < 1e-6 and torch.allclose(got.sum(-1), torch.ones(4, 3), atol=1e-5)
+
+
+@gpu
 @pytest.mark.parametrize("n", [1, 5, 2048, 129280])
 def test_gpu_uniform_kernel_is_bit_exact(n):
     """Sampling's counter-based uniform numbers: the kernel gives the reference's bits for random seeds (up to
