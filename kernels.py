@@ -845,12 +845,12 @@ def _probs_kernel(
     lo = tl.zeros([], tl.int64)
     hi = tl.where(top_p < 1.0, 0x3F800000, 0).to(tl.int64)  # bits of 1.0 (nothing above it), or 0 (keep all)
     k = tl.arange(0, 16)
-    for _ in range(8):  # a 17-way search: the range of candidate bits shrinks 17 times a pass, 2^30 in 8
+    for _pass in range(8):  # a 17-way search: the range of candidate bits shrinks 17 times a pass, 2^30 in 8
         c = lo + ((hi - lo) * (k + 1)) // 17  # [16] candidate thresholds, as float bits
         v = c.to(tl.int32).to(tl.float32, bitcast=True)
         g = tl.zeros([16], tl.float32)  # the mass above each candidate
         for start in range(0, V, SEARCH):
-            p, _ = _probs_block(x_ptr, row, start, tl.arange(0, SEARCH), V, temp, m, z)
+            p = _probs_block(x_ptr, row, start, tl.arange(0, SEARCH), V, temp, m, z)[0]
             g += tl.sum(tl.where(p[:, None] > v[None, :], p[:, None], 0.0), 0)
         n_above = tl.sum((g >= top_p).to(tl.int32), 0)  # candidates with too much mass above: the first ones
         hi = tl.where(n_above < 16, tl.sum(tl.where(k == n_above, c, 0), 0), hi)
@@ -858,7 +858,7 @@ def _probs_kernel(
     v0 = hi.to(tl.int32).to(tl.float32, bitcast=True)
     g0 = tl.zeros([], tl.float32)
     for start in range(0, V, BLOCK):
-        p, _ = _probs_block(x_ptr, row, start, cols, V, temp, m, z)
+        p = _probs_block(x_ptr, row, start, cols, V, temp, m, z)[0]
         g0 += tl.sum(tl.where(p > v0, p, 0.0), 0)
     kept_mass = tl.zeros([], tl.float32)
     tied = tl.zeros([], tl.int32)
