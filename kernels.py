@@ -799,6 +799,42 @@ def uniform(seeds, positions, stream, n):
     return out.view(*shape, n)
 
 
+@triton.jit
+def _sample_kernel(p_ptr, seed_ptr, pos_ptr, out_ptr, V: tl.constexpr, stream, BLOCK: tl.constexpr):
+    """One row per program: its uniform numbers as _uniform_kernel makes them, E = -log u, and the first
+    argmax of p / E over the row's blocks."""
+    r = tl.program_id(0)
+    seed = tl.load(seed_ptr + r)
+    key = _mix32(_mix32(_mix32(seed & 0xFFFFFFFF) ^ (seed >> 32)) ^ tl.load(pos_ptr + r))
+    key = _mix32(key ^ stream)
+    best = tl.zeros([], tl.float32) - 1.0
+    first = tl.zeros([], tl.int32)
+    for start in range(0, V, BLOCK):
+        cols = start + tl.arange(0, BLOCK)
+        u = ((_mix32(_mix32(key ^ cols.to(tl.int64))) >> 8).to(tl.float32) + 0.5) / 16777216.0
+        p = tl.load(p_ptr + r.to(tl.int64) * V + cols, mask=cols < V, other=-1.0)
+        race = tl.where(cols < V, p / -tl.log(u), -1.0)
+        top = tl.max(race, 0)
+        first = tl.where(top > best, start + tl.argmax(race, 0), first)
+        best = tl.maximum(best, top)
+    tl.store(out_ptr + r, first.to(tl.int64))
+
+
+def sample(probs, seeds, positions, stream):
+    """Kernel of nano_nsa.sample: the numbers, the race and its argmax in one launch per call (the reference's
+    seven). (Its log may round the last bit otherwise than torch's: a tie in p / E could then go another
+    way.)"""
+    seeds, positions = torch.broadcast_tensors(seeds, positions)
+    shape = positions.shape
+    p = probs.reshape(-1, probs.shape[-1]).float().contiguous()
+    out = torch.empty(len(p), dtype=torch.long, device=p.device)
+    V = p.shape[1]
+    if len(p):
+        args = (seeds.reshape(-1).contiguous(), positions.reshape(-1).contiguous(), out, V, stream)
+        _sample_kernel[(len(p),)](p, *args, BLOCK=min(1024, triton.next_power_of_2(V)))
+    return out.view(shape)
+
+
 # ---- Sampling distributions: softmax(logits / T) cut to the top-p nucleus, one program per row ----
 @triton.jit
 def _probs_block(x_ptr, row, start, cols, V, temp, m, z):
@@ -925,6 +961,7 @@ GPU_OPS = SimpleNamespace(
     moe=moe,
     side_by_side=side_by_side,
     uniform=uniform,
+    sample=sample,
     probs_from_logits=probs_from_logits,
     attn_dtype=bf16_dtype,
     dense_dtype=bf16_dtype,

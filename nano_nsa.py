@@ -1219,14 +1219,10 @@ def uniform(seeds, positions, stream, n):
     return ((bits >> 8).float() + 0.5) / (1 << 24)  # 24 bits: exact in fp32, never 0 or 1
 
 
-TORCH_OPS.uniform = uniform  # the kernel boundary's engine ops (kernels.py: one launch each on a GPU)
-
-
-def sample(ops, probs, seeds, positions, stream):
+def sample(probs, seeds, positions, stream):
     """One draw from each row of probs [..., V] (weights, not necessarily normalized) by the exponential race:
-    argmax p / E with E ~ Exp(1) is an exact draw from p, with no host round trip (E from `uniform`, through
-    the kernel set `ops`: one kernel on the GPU)."""
-    e = -torch.log(ops.uniform(seeds, positions, stream, probs.shape[-1]))
+    argmax p / E with E ~ Exp(1) is an exact draw from p, with no host round trip (E from `uniform`)."""
+    e = -torch.log(uniform(seeds, positions, stream, probs.shape[-1]))
     return (probs / e.to(probs.dtype)).argmax(-1)
 
 
@@ -1245,7 +1241,8 @@ def probs_from_logits(logits, temperature, top_p):
     return torch.where(greedy, onehot, p)
 
 
-TORCH_OPS.probs_from_logits = probs_from_logits
+# the kernel boundary's engine ops (kernels.py: one launch each on a GPU, where the references take ~20)
+TORCH_OPS.uniform, TORCH_OPS.sample, TORCH_OPS.probs_from_logits = uniform, sample, probs_from_logits
 
 
 @dataclass
@@ -1271,7 +1268,7 @@ def draw(ops, logits, sp: Sampling, positions, stream):
     if not sp.sampling:
         return logits.argmax(-1), None
     p = ops.probs_from_logits(logits, sp.temperature, sp.top_p)
-    return sample(ops, p, sp.seeds, positions, stream), p
+    return ops.sample(p, sp.seeds, positions, stream), p
 
 
 def residual_probs(p, q):
@@ -1301,7 +1298,7 @@ def accept(ops, tokens, logits, q, sp: Sampling, start):
     u = ops.uniform(sp.seeds[:, None], positions[:, :-1], ACCEPT, 1)[..., 0]
     a = (u * qx <= px).long().cumprod(1).sum(1)  # [B] accepted drafts
     rows = torch.arange(B, device=start.device)
-    last = sample(ops, residual_probs(p[rows, a], q[rows, a]), sp.seeds, positions[rows, a], TARGET)
+    last = ops.sample(residual_probs(p[rows, a], q[rows, a]), sp.seeds, positions[rows, a], TARGET)
     emitted = torch.cat([drafts, last[:, None]], 1).scatter(1, a[:, None], last[:, None])
     return emitted, a + 1
 

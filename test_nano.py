@@ -753,7 +753,7 @@ def _sample_spec(p, q, n_seeds):
     seeds = torch.arange(n_seeds)
     start = torch.zeros(n_seeds, dtype=torch.long)
     qs = q[None].expand(n_seeds, -1, -1).double()
-    drafts = m.sample(m.TORCH_OPS, qs, seeds[:, None], 1 + torch.arange(k), m.DRAFT)  # [n, k]
+    drafts = m.sample(qs, seeds[:, None], 1 + torch.arange(k), m.DRAFT)  # [n, k]
     tokens = torch.cat([torch.zeros(n_seeds, 1, dtype=torch.long), drafts], 1)
     sp = m.Sampling(seeds, torch.ones(n_seeds), torch.ones(n_seeds), True)
     emitted, counts = m.accept(m.TORCH_OPS, tokens, p.log()[None].expand(n_seeds, -1, -1), qs, sp, start)
@@ -1588,6 +1588,23 @@ def test_gpu_full_width_logits_do_not_depend_on_the_batch(tmp_path, monkeypatch)
         )
         assert got.token_ids == alone.token_ids and torch.equal(got.logits, alone.logits), name
     assert max(verify.accept_lengths) > 1  # rows past the first emitted
+
+
+@gpu
+@pytest.mark.parametrize("V", [7, 2048, 129280])
+def test_gpu_sample_kernel_matches_reference(V):
+    """The exponential race in one launch: the reference's token for every row (distributions with zeros, as
+    a nucleus leaves them; seeds per request, positions per draft)."""
+    import kernels
+
+    gen = torch.Generator().manual_seed(V)
+    probs = torch.softmax(torch.randn(5, 3, V, generator=gen) * 2, -1)
+    probs[:, :, : V // 2] *= torch.rand(5, 3, 1, generator=gen) < 0.5  # some rows lose half their tokens
+    seeds = torch.randint(0, 2**63 - 1, (5, 1), generator=gen)
+    positions = torch.randint(0, 200000, (3,), generator=gen)
+    want = m.sample(probs, seeds, positions, m.DRAFT)
+    got = kernels.sample(probs.cuda(), seeds.cuda(), positions.cuda(), m.DRAFT).cpu()
+    assert got.shape == (5, 3) and torch.equal(got, want)
 
 
 @gpu
