@@ -881,7 +881,9 @@ def _probs_kernel(
     lo = tl.zeros([], tl.int64)
     hi = tl.where(top_p < 1.0, 0x3F800000, 0).to(tl.int64)  # bits of 1.0 (nothing above it), or 0 (keep all)
     k = tl.arange(0, 16)
-    for _pass in range(8):  # a 17-way search: the range of candidate bits shrinks 17 times a pass, 2^30 in 8
+    for _pass in range(
+        9
+    ):  # a 17-way search: the span of candidate bits shrinks 17 times a pass, 2^30 to 0 in 9
         c = lo + ((hi - lo) * (k + 1)) // 17  # [16] candidate thresholds, as float bits
         v = c.to(tl.int32).to(tl.float32, bitcast=True)
         g = tl.zeros([16], tl.float32)  # the mass above each candidate
