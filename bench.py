@@ -94,7 +94,7 @@ def decode_batch(llm, bs, ctx, rounds, seed=0):
     reqs = []
     for i in range(bs):
         ids = torch.randint(6, llm.cfg.vocab_size, (ctx + 1,), generator=g).tolist()
-        r = m.Request(i, ids, ctx + 1, 1 << 30, 0.0, 1.0, i, ctx + 1, num_cached=ctx)
+        r = m.Request(i, ids, ctx + 1, 1 << 30, 0.0, 1.0, i, num_cached=ctx)
         reserved = llm.pool.reserve(r, ctx + (rounds + 3) * m.round_lookahead(llm.num_draft))
         assert reserved, "KV pool too small for the benchmark"
         r.draft = torch.randint(6, llm.cfg.vocab_size, (llm.num_draft,), device=llm.device)

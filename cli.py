@@ -49,6 +49,32 @@ def read_prompts(args):
     return prompts
 
 
+def engine_options(args):
+    return dict(
+        device=args.device,
+        mtp=args.mtp,
+        max_context=args.max_context,
+        kernels=args.kernels,
+        cuda_graphs=not args.no_cuda_graphs,
+    )
+
+
+def generate_options(args):
+    names = ("max_new_tokens", "temperature", "top_p", "seed", "thinking", "raw")
+    return {name: getattr(args, name) for name in names}
+
+
+def streams(args, prompts):
+    """Whether the text streams as it is generated: one prompt, not --json."""
+    return not args.json and len(prompts) == 1
+
+
+def error(e):
+    """A bad input: one line on stderr, exit code 1."""
+    print("error: " + str(e).replace("\n", " "), file=sys.stderr)
+    return 1
+
+
 class TextStream:
     """on_tokens for one prompt: prints its newly decodable text as tokens arrive (whole UTF-8 characters
     only)."""

@@ -273,6 +273,40 @@ def mtp_tensors(cfg, prefix):
     }
 
 
+# HF name -> our module name, in one place (the reference's convert.py mapping, plus the MTP layer)
+HF_TO_OURS = {
+    "embed_tokens": "embed",
+    "input_layernorm": "attn_norm",
+    "post_attention_layernorm": "ffn_norm",
+    "q_a_proj": "wq_a",
+    "q_a_layernorm": "q_norm",
+    "q_b_proj": "wq_b",
+    "kv_a_proj_with_mqa": "wkv_a",
+    "kv_a_layernorm": "kv_norm",
+    "kv_b_proj": "wkv_b",
+    "o_proj": "wo",
+    "gate_proj": "w1",
+    "down_proj": "w2",
+    "up_proj": "w3",
+    "lm_head": "head",
+    "self_attn": "attn",
+    "mlp": "ffn",
+    "weight_scale_inv": "scale",
+    "e_score_correction_bias": "bias",
+}
+MTP_OWN = {"embed_tokens", "enorm", "hnorm", "eh_proj", "shared_head"}  # MTP-layer names outside its block
+
+
+def ours_name(n_layers, hf_name: str) -> str:
+    """Our parameter name of a checkpoint tensor (of a model with n_layers main layers; routed experts keep
+    their index: nano_nsa.load_target stacks them)."""
+    parts = hf_name.removeprefix("model.").split(".")
+    if parts[0] == "layers" and int(parts[1]) >= n_layers:  # MTP layer: its decoder block is `block`
+        block = [] if parts[2] in MTP_OWN else ["block"]
+        parts = ["mtp", str(int(parts[1]) - n_layers)] + block + parts[2:]
+    return ".".join(HF_TO_OURS.get(p, p) for p in parts)
+
+
 # ---- The shards: the index and every header, checked against the table (no weights read) ----------------
 def shard_files(path):
     """The shard files and, with an index, its weight map {tensor: file}."""

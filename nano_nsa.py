@@ -25,6 +25,7 @@ import os
 import sys
 import time
 from dataclasses import dataclass, field, fields, replace
+from functools import partial
 from itertools import accumulate
 from types import SimpleNamespace
 
@@ -122,25 +123,10 @@ class Config:
         hf_checkpoint.check_tp(self, n)
 
 
-TINY = dict(
-    vocab_size=288,
-    dim=256,
-    inter_dim=512,
-    moe_inter_dim=128,
-    n_layers=3,
-    n_dense_layers=1,
-    n_heads=4,
-    n_routed_experts=8,
-    n_activated_experts=2,
-    n_expert_groups=4,
-    n_limited_groups=2,
-    q_lora_rank=128,
-    kv_lora_rank=256,
-    qk_nope_head_dim=32,
-    v_head_dim=32,
-    index_n_heads=4,
-    index_topk=32,
-)
+TINY = dict(vocab_size=288, dim=256, inter_dim=512, moe_inter_dim=128, n_layers=3, n_dense_layers=1)
+TINY |= dict(n_heads=4, q_lora_rank=128, kv_lora_rank=256, qk_nope_head_dim=32, v_head_dim=32)  # MLA
+TINY |= dict(n_routed_experts=8, n_activated_experts=2, n_expert_groups=4, n_limited_groups=2)  # MoE
+TINY |= dict(index_n_heads=4, index_topk=32)  # the indexer
 
 
 # ---- Building blocks: FP8 activation quantization and linear, norms, YaRN RoPE, Hadamard, stable top-k -----
@@ -1059,43 +1045,11 @@ def rank_slice(full, part):
 
 
 # ---- Loader: reads any DeepSeek-V3.2 checkpoint directory shard by shard, validating every tensor ----------
-# HF name -> our module name, in one place (the reference's convert.py mapping, plus the MTP layer)
-HF_TO_OURS = {
-    "embed_tokens": "embed",
-    "input_layernorm": "attn_norm",
-    "post_attention_layernorm": "ffn_norm",
-    "q_a_proj": "wq_a",
-    "q_a_layernorm": "q_norm",
-    "q_b_proj": "wq_b",
-    "kv_a_proj_with_mqa": "wkv_a",
-    "kv_a_layernorm": "kv_norm",
-    "kv_b_proj": "wkv_b",
-    "o_proj": "wo",
-    "gate_proj": "w1",
-    "down_proj": "w2",
-    "up_proj": "w3",
-    "lm_head": "head",
-    "self_attn": "attn",
-    "mlp": "ffn",
-    "weight_scale_inv": "scale",
-    "e_score_correction_bias": "bias",
-}
-MTP_OWN = {"embed_tokens", "enorm", "hnorm", "eh_proj", "shared_head"}  # MTP-layer names outside its block
-
-
-def ours_name(cfg: Config, hf_name: str) -> str:
-    parts = hf_name.removeprefix("model.").split(".")
-    if parts[0] == "layers" and int(parts[1]) >= cfg.n_layers:  # MTP layer: its decoder block is `block`
-        block = [] if parts[2] in MTP_OWN else ["block"]
-        parts = ["mtp", str(int(parts[1]) - cfg.n_layers)] + block + parts[2:]
-    return ".".join(HF_TO_OURS.get(p, p) for p in parts)
-
-
 def load_target(params, cfg: Config, hf_name: str):
     """The model tensor a checkpoint tensor is loaded into: its parameter, or for a routed expert its place in
     this rank's stack (layers.3.ffn.experts.5.w1.weight -> layers.3.ffn.experts.w1.weight[5 - first]); None
     for another rank's expert."""
-    parts = ours_name(cfg, hf_name).split(".")
+    parts = hf_checkpoint.ours_name(cfg.n_layers, hf_name).split(".")
     if "experts" not in parts:
         return params[".".join(parts)]
     at = parts.index("experts") + 1  # the expert's index follows
@@ -1313,11 +1267,9 @@ class Request:
     temperature: float
     top_p: float
     seed: int  # keys its random numbers (with each token's position)
-    prefill_target: int  # prefill positions [0, target): the prompt
     num_cached: int = 0  # positions whose main-model KV is in the pool; decode phase: len(tokens) - 1
     pages: list = field(default_factory=list)
     swapped: tuple = None  # its KV in host memory while preempted (PagePool.swap_out)
-    page_row: torch.Tensor = None  # `pages` as a tensor, rebuilt only when they change
     draft: torch.Tensor = (
         None  # [k] draft tokens for its next verify, on the device, while it is not in a batch
     )
@@ -1389,7 +1341,6 @@ class PagePool:
     def release(self, req):
         self.free += req.pages
         req.pages = []
-        req.page_row = None
         self.changes += 1
 
     def swap_out(self, req):
@@ -1425,9 +1376,7 @@ class PagePool:
             return self.last_table[1]
         pages = torch.zeros(len(reqs), max(len(r.pages) for r in reqs), dtype=torch.long)
         for b, r in enumerate(reqs):
-            if r.page_row is None or len(r.page_row) != len(r.pages):
-                r.page_row = torch.tensor(r.pages)
-            pages[b, : len(r.pages)] = r.page_row
+            pages[b, : len(r.pages)] = torch.tensor(r.pages)
         pages = to_device(pages, self.device)
         offsets = torch.arange(self.page_size, device=self.device)
         table = (pages[:, :, None] * self.page_size + offsets).flatten(1)
@@ -1472,7 +1421,7 @@ class Scheduler:
         """-> ("prefill", [(request, first position, length)]) or ("decode", [requests with pages for a
         round])."""
         self.admit()
-        prefilling = [r for r in self.running if r.num_cached < r.prefill_target]
+        prefilling = [r for r in self.running if r.num_cached < r.prompt_len]
         if prefilling:
             return "prefill", self.prefill_chunks(prefilling)
         return "decode", self.reserve_round()
@@ -1483,7 +1432,7 @@ class Scheduler:
             if req.swapped is not None:
                 admitted = self.pool.swap_in(req)
             else:
-                admitted = self.pool.reserve(req, req.prefill_target + self.num_draft + 1)  # prompt, drafts
+                admitted = self.pool.reserve(req, req.prompt_len + self.num_draft + 1)  # prompt, drafts
             if not admitted:
                 return
             self.running.append(self.waiting.pop(0))
@@ -1497,7 +1446,7 @@ class Scheduler:
         budget = self.max_prefill_tokens
         step_dense = None  # whether this step's chunks attend densely: its first chunk decides
         for r in reqs:
-            n = min(r.prefill_target - r.num_cached, self.max_prefill_tokens)
+            n = min(r.prompt_len - r.num_cached, self.max_prefill_tokens)
             dense = r.num_cached + n <= self.index_topk
             if step_dense is None:
                 step_dense = dense
@@ -1549,6 +1498,10 @@ class Batch:
     live: torch.Tensor  # [B] 1 for a request, 0 for a CUDA graph's padding row (which stays at position 0)
     sp: Sampling
     max_ctx: int  # host: a bound on the round's causal lengths
+
+    def tensors(self):
+        """The per-request tensors (a CUDA graph copies them into its static inputs)."""
+        return [self.tokens, self.start, self.q, self.live, self.sp.seeds, self.sp.temperature, self.sp.top_p]
 
 
 def speculative_round(model, cache, batch: Batch):
@@ -1655,7 +1608,7 @@ class Runner:
         last = [end - 1 for end in meta.cu_seqlens[1:]]  # each chunk's last row
         for r, _, n in chunks:
             r.num_cached += n
-        done = [b for b, r in enumerate(reqs) if r.num_cached == r.prefill_target]
+        done = [b for b, r in enumerate(reqs) if r.num_cached == r.prompt_len]
         if done:  # the prompt is done: its first token, at position num_cached
             logits = self.model.logits(h[[last[b] for b in done]])
             done_reqs = [reqs[b] for b in done]
@@ -1768,25 +1721,16 @@ class CudaGraphs:
     def __init__(self, model: Transformer, cache: KVCache, num_draft, max_batch, max_context, page_size):
         self.model, self.cache = model, cache
         self.buckets = graph_buckets(max_batch, num_draft + 1, tp_size())
-        bs, dev = self.buckets[-1], cache.latent.device
+        bs, zeros = self.buckets[-1], partial(torch.zeros, dtype=torch.long, device=cache.latent.device)
         context = (
             max_context + round_lookahead(num_draft) + 1
         )  # the furthest position a round writes, and one
         self.max_width = -(-context // page_size) * page_size
-        zeros = dict(dtype=torch.long, device=dev)
-        sp = Sampling(
-            torch.zeros(bs, **zeros), torch.zeros(bs, device=dev), torch.ones(bs, device=dev), False
-        )
-        table = torch.zeros(bs, self.max_width, **zeros)
+        sp = Sampling(zeros(bs), zeros(bs).float(), zeros(bs).float() + 1, False)
+        table = zeros(bs, self.max_width)
         self.static = Batch(
-            torch.zeros(bs, num_draft + 1, **zeros),
-            torch.zeros(bs, **zeros),
-            None,
-            table,
-            torch.zeros(bs, **zeros),
-            sp,
-            0,
-        )
+            zeros(bs, num_draft + 1), zeros(bs), None, table, zeros(bs), sp, 0
+        )  # (q: at need)
         self.graphs = {}
         self.pool = None  # one memory pool for all of them
 
@@ -1805,8 +1749,15 @@ class CudaGraphs:
         s = self.static
         bs = next(b for b in self.buckets if b >= B)
         key = (bs, self.width(max_ctx), batch.sp.sampling)
-        if batch is not s:  # inputs from the host: copied in, padded
-            self.load(batch, B, bs)
+        if batch is not s:  # inputs from the host: copied in, padded (top_p 1: a distribution to sample)
+            if batch.q is not None and s.q is None:  # the first sampling batch
+                s.q = torch.zeros(
+                    (len(s.tokens),) + batch.q.shape[1:], dtype=batch.q.dtype, device=batch.q.device
+                )
+            for mine, theirs in zip(s.tensors(), batch.tensors(), strict=True):
+                if theirs is not None:
+                    mine[:B], mine[B:bs] = theirs, 0
+            s.sp.top_p[B:bs], s.sp.sampling = 1, batch.sp.sampling
         s.table[:B, : table.shape[1]] = table
         if B < bs:
             s.table[B:bs, : key[1]] = 0  # (so every position of a padding row is the dummy slot)
@@ -1816,35 +1767,17 @@ class CudaGraphs:
         graph.replay()
         return s, out
 
-    def load(self, batch, B, bs):
-        s = self.static
-        if batch.q is not None and s.q is None:  # the first sampling batch: drafts' distributions
-            s.q = torch.zeros(len(s.tokens), *batch.q.shape[1:], dtype=batch.q.dtype, device=batch.q.device)
-        pairs = [(s.tokens, batch.tokens), (s.start, batch.start), (s.live, batch.live)]
-        pairs += [(getattr(s.sp, f), getattr(batch.sp, f)) for f in ("seeds", "temperature", "top_p")]
-        for mine, theirs in pairs:
-            mine[:B] = theirs
-            mine[B:bs] = 0
-        s.sp.top_p[B:bs] = 1
-        s.sp.sampling = batch.sp.sampling
-        if batch.q is not None:
-            s.q[:B] = batch.q
-
-    def view(self, bs, width, sampling):
-        s = self.static
-        sp = Sampling(s.sp.seeds[:bs], s.sp.temperature[:bs], s.sp.top_p[:bs], sampling)
-        q = s.q[:bs] if sampling and s.q is not None else None
-        return Batch(s.tokens[:bs], s.start[:bs], q, s.table[:bs, :width], s.live[:bs], sp, width)
-
     def capture(self, key):
         """Capture the round for (bucket, context bound, sampling), after a warm-up that builds its kernels,
         on inputs every row of which writes the dummy slot 0; the static inputs are kept as they were."""
         t0 = time.perf_counter()
-        bs, width, sampling = key
-        kept = [t.clone() for t in self.tensors()]
-        for t in self.tensors():
+        (bs, width, sampling), s = key, self.static
+        kept = [(t, t.clone()) for t in s.tensors() + [s.table] if t is not None]
+        for t, _ in kept:
             t.zero_()
-        batch = self.view(bs, width, sampling)
+        q = s.q[:bs] if sampling and s.q is not None else None
+        sp = Sampling(s.sp.seeds[:bs], s.sp.temperature[:bs], s.sp.top_p[:bs], sampling)
+        batch = Batch(s.tokens[:bs], s.start[:bs], q, s.table[:bs, :width], s.live[:bs], sp, width)
         speculative_round(self.model, self.cache, batch)  # warm-up: compiles and autotunes kernels
         torch.cuda.synchronize()
         graph = torch.cuda.CUDAGraph()
@@ -1854,22 +1787,15 @@ class CudaGraphs:
                 out = speculative_round(self.model, self.cache, batch)
         finally:
             gc.enable()
-        for t, saved in zip(self.tensors(), kept, strict=True):
+        for t, saved in kept:
             t.copy_(saved)
         self.pool = self.pool or graph.pool()
         self.graphs[key] = (graph, out)
+        took = f"{time.perf_counter() - t0:.2f} s"
         kind = "sampling" if sampling else "greedy"
-        took = time.perf_counter() - t0
         print(
-            f"nano-nsa: captured the {kind} round for bs {bs}, contexts <= {width} in {took:.2f} s",
-            file=sys.stderr,
+            f"nano-nsa: captured the {kind} round for bs {bs}, contexts <= {width} in {took}", file=sys.stderr
         )
-
-    def tensors(self):
-        s = self.static
-        return [
-            t for t in (s.tokens, s.start, s.q, s.table, s.live, *vars(s.sp).values()) if torch.is_tensor(t)
-        ]
 
 
 # ---- LLM: the engine, tying the parts together -------------------------------------------------------------
@@ -1901,7 +1827,12 @@ class LLM:
         model_dir = model_dir or hf_checkpoint.default_model_dir()
         self.cfg = model.cfg if model else open_checkpoint(model_dir)  # config + shard headers: no weights
         if model is None:  # before any allocation
-            fits = (Transformer, KVCache.bytes_per_token(self.cfg), tp_size(), self.cfg_splits)
+            fits = (
+                Transformer,
+                KVCache.bytes_per_token(self.cfg),
+                tp_size(),
+                partial(hf_checkpoint.tp_ok, self.cfg),
+            )
             checks.check_fits(self.cfg, self.device, *fits)
         self.tokenizer = load_tokenizer(model_dir, self.cfg)
         require(mtp == 0 or self.cfg.n_mtp_layers > 0, f"mtp={mtp}: needs a checkpoint with an MTP layer")
@@ -1924,9 +1855,6 @@ class LLM:
         self.stats = {}
         if self.device.type == "cuda":
             self.warm_up()
-
-    def cfg_splits(self, n):
-        return hf_checkpoint.tp_ok(self.cfg, n)
 
     def warm_up(self):
         """Build the prefill path's GPU kernels (Triton compiles them at first use: seconds on a fresh
@@ -2026,7 +1954,7 @@ class LLM:
             )
             checks.check_prompt(i, ids, budgets[i], *limits)
             seed_i = seeds[i] % 2**63
-            reqs.append(Request(i, list(ids), len(ids), budgets[i], temperature, top_p, seed_i, len(ids)))
+            reqs.append(Request(i, list(ids), len(ids), budgets[i], temperature, top_p, seed_i))
         return reqs
 
     def encode(self, prompt, thinking=False, raw=False):
@@ -2047,53 +1975,30 @@ class LLM:
     def summary(self, reqs, seconds, rounds):
         tokens = sum(len(r.generated) for r in reqs)
         accepts = [a for r in reqs for a in r.accept_lengths]
-        histogram = {}
-        if self.num_draft:
-            histogram = {n: accepts.count(n) for n in range(1, self.num_draft + 2)}
-        return dict(
-            tokens=tokens,
-            seconds=seconds,
-            tokens_per_s=tokens / seconds,
-            decode_rounds=rounds,
-            preemptions=self.scheduler.preemptions,
-            mean_accept_length=sum(accepts) / len(accepts) if accepts else None,
-            accept_histogram=histogram,
-        )
+        stats = dict(tokens=tokens, seconds=seconds, tokens_per_s=tokens / seconds, decode_rounds=rounds)
+        stats.update(preemptions=self.scheduler.preemptions, mean_accept_length=None, accept_histogram={})
+        if accepts:
+            stats["mean_accept_length"] = sum(accepts) / len(accepts)
+            stats["accept_histogram"] = {n: accepts.count(n) for n in range(1, self.num_draft + 2)}
+        return stats
 
 
 def main(argv=None):
-    """`python nano_nsa.py --prompt "..."`: generate, streaming one prompt's text as it comes, then a line of
-    speed and acceptance (the options and the printing: cli.py). A bad input is one line, exit code 1."""
+    """`python nano_nsa.py --prompt "..."` (the options: cli.py): generates, streaming a single prompt's text,
+    then prints a line of speed and acceptance. A bad input is one line and exit code 1, never a traceback."""
     args = cli.parse(argv)
     try:
         prompts = cli.read_prompts(args)
-        llm = LLM(
-            args.model,
-            device=args.device,
-            mtp=args.mtp,
-            max_context=args.max_context,
-            kernels=args.kernels,
-            cuda_graphs=not args.no_cuda_graphs,
-        )
-        stream = not args.json and len(prompts) == 1 and tp_rank() == 0  # torchrun: rank 0 prints
-        results = llm.generate(
-            prompts,
-            max_new_tokens=args.max_new_tokens,
-            temperature=args.temperature,
-            top_p=args.top_p,
-            seed=args.seed,
-            thinking=args.thinking,
-            raw=args.raw,
-            on_tokens=cli.TextStream(llm.tokenizer) if stream else None,
-        )
-    except (ValueError, OSError) as e:  # bad input: one line, no traceback
-        print("error: " + str(e).replace("\n", " "), file=sys.stderr)
-        return 1
+        llm = LLM(args.model, **cli.engine_options(args))
+        stream = cli.TextStream(llm.tokenizer) if cli.streams(args, prompts) and tp_rank() == 0 else None
+        results = llm.generate(prompts, on_tokens=stream, **cli.generate_options(args))
+    except (ValueError, OSError) as e:
+        return cli.error(e)
     except KeyboardInterrupt:
         return 130
     end_distributed(llm.graphs is not None)
-    if tp_rank() == 0:
-        cli.print_results(args, prompts, results, llm.stats, stream)
+    if tp_rank() == 0:  # torchrun: every rank computed the same tokens
+        cli.print_results(args, prompts, results, llm.stats, stream is not None)
     return 0
 
 

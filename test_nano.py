@@ -208,7 +208,7 @@ def test_full_width_model_matches_checkpoint_table():
     filled = dict.fromkeys(params, 0)
     for k, (shape, _kind) in hf.checkpoint_tensors(cfg).items():
         assert list(m.load_target(params, cfg, k).shape) == shape, k
-        owner = re.sub(r"\.experts\.\d+\.", ".experts.", m.ours_name(cfg, k))
+        owner = re.sub(r"\.experts\.\d+\.", ".experts.", hf.ours_name(cfg.n_layers, k))
         filled[owner] += math.prod(shape)
     assert filled == {k: p.numel() for k, p in params.items()}
 
@@ -526,10 +526,10 @@ def _chunk_plan(targets, max_prefill_tokens=100, index_topk=150):
     from types import SimpleNamespace
 
     sched = m.Scheduler(None, 8, max_prefill_tokens, 0, index_topk)
-    reqs = [SimpleNamespace(idx=i, prefill_target=n, num_cached=0) for i, n in enumerate(targets)]
+    reqs = [SimpleNamespace(idx=i, prompt_len=n, num_cached=0) for i, n in enumerate(targets)]
     steps = []
-    while any(r.num_cached < r.prefill_target for r in reqs):
-        chunks = sched.prefill_chunks([r for r in reqs if r.num_cached < r.prefill_target])
+    while any(r.num_cached < r.prompt_len for r in reqs):
+        chunks = sched.prefill_chunks([r for r in reqs if r.num_cached < r.prompt_len])
         steps.append([(r.idx, start, n) for r, start, n in chunks])
         for r, _, n in chunks:
             r.num_cached += n
