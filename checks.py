@@ -7,6 +7,7 @@ import sys
 from numbers import Integral, Real
 
 import torch
+import torch.distributed as dist
 
 
 def require(ok, message):
@@ -105,10 +106,12 @@ def weight_bytes(cfg, model_class, ranks):
     return whole_bytes, split_bytes
 
 
-def check_fits(cfg, device, model_class, kv_bytes_per_token, ranks, tp_ok):
+def check_fits(cfg, device, model_class, kv_bytes_per_token):
     """Refuse, before allocating anything, a model whose share of the weights plus a minimal KV pool exceeds
-    this device's free memory (GPU) or the available RAM (CPU), saying what would fit. tp_ok(n): whether the
-    model splits over n ranks."""
+    this device's free memory (GPU) or the available RAM (CPU), saying what would fit (at how many ranks)."""
+    from hf_checkpoint import tp_ok  # (it imports this module)
+
+    ranks = dist.get_world_size() if dist.is_initialized() else 1
     if device.type == "cuda":
         free = torch.cuda.mem_get_info(device)[0]
         where = f"{torch.cuda.get_device_name(device)} has {free / 1e9:.1f} GB free"
@@ -122,7 +125,7 @@ def check_fits(cfg, device, model_class, kv_bytes_per_token, ranks, tp_ok):
         return
     why = f"the model needs {need / 1e9:.1f} GB per rank (weights + a {MIN_POOL_TOKENS}-token KV pool)"
     why += f", but {where}"
-    allowed = [n for n in (1, 2, 4, 8, 16, 32, 64) if n > ranks and tp_ok(n)]
+    allowed = [n for n in (1, 2, 4, 8, 16, 32, 64) if n > ranks and tp_ok(cfg, n)]
     for n in allowed:
         per_rank = whole + split // n + kv
         if per_rank <= free:

@@ -1827,13 +1827,7 @@ class LLM:
         model_dir = model_dir or hf_checkpoint.default_model_dir()
         self.cfg = model.cfg if model else open_checkpoint(model_dir)  # config + shard headers: no weights
         if model is None:  # before any allocation
-            fits = (
-                Transformer,
-                KVCache.bytes_per_token(self.cfg),
-                tp_size(),
-                partial(hf_checkpoint.tp_ok, self.cfg),
-            )
-            checks.check_fits(self.cfg, self.device, *fits)
+            checks.check_fits(self.cfg, self.device, Transformer, KVCache.bytes_per_token(self.cfg))
         self.tokenizer = load_tokenizer(model_dir, self.cfg)
         require(mtp == 0 or self.cfg.n_mtp_layers > 0, f"mtp={mtp}: needs a checkpoint with an MTP layer")
         page_bytes = KVCache.bytes_per_token(self.cfg) * page_size
@@ -1849,9 +1843,7 @@ class LLM:
         if cuda_graphs and self.device.type == "cuda" and self.model.ops is not TORCH_OPS:
             graphs = CudaGraphs(self.model, self.cache, mtp, max_batch, self.max_context, page_size)
         self.runner = Runner(self.model, self.cache, self.pool, mtp, graphs)
-        self.announce = (
-            self.device.type == "cuda" and tp_rank() == 0
-        )  # which kernels run, at the first generate
+        self.announce = self.device.type == "cuda" and tp_rank() == 0  # (the kernels, at the first generate)
         self.stats = {}
         if self.device.type == "cuda":
             self.warm_up()
@@ -1901,11 +1893,9 @@ class LLM:
         for r in reqs:
             r.return_logits, r.on_tokens = return_logits, on_tokens
         if self.announce:
-            print(
-                f"nano-nsa: {torch.cuda.get_device_name(self.device)}, kernels: {self.model.ops.name}",
-                file=sys.stderr,
-            )
             self.announce = False
+            where = torch.cuda.get_device_name(self.device)
+            print(f"nano-nsa: {where}, kernels: {self.model.ops.name}", file=sys.stderr)
         t0 = time.perf_counter()
         self.scheduler.add(reqs)
         self.scheduler.preemptions = 0
@@ -1943,16 +1933,11 @@ class LLM:
         if not isinstance(seed, (list, tuple)):
             seeds = [seed + i for i in range(len(prompts))]
         budgets = checks.per_prompt("max_new_tokens", max_new_tokens, len(prompts))
+        room = (self.cfg.vocab_size, self.max_context, self.pool.free_slots, round_lookahead(self.num_draft))
         reqs = []
         for i, prompt in enumerate(prompts):
             ids = self.encode(prompt, thinking, raw)
-            limits = (
-                self.cfg.vocab_size,
-                self.max_context,
-                self.pool.free_slots,
-                round_lookahead(self.num_draft),
-            )
-            checks.check_prompt(i, ids, budgets[i], *limits)
+            checks.check_prompt(i, ids, budgets[i], *room)
             seed_i = seeds[i] % 2**63
             reqs.append(Request(i, list(ids), len(ids), budgets[i], temperature, top_p, seed_i))
         return reqs

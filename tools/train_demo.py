@@ -439,7 +439,7 @@ def bf16_loss(model, chunks, device):
 
 
 # ------------------------------------------------------------------------------------------------------------
-def main():
+def parse_args():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", required=True, help="checkpoint directory to write")
     ap.add_argument("--minutes", type=float, default=5.0, help="training time budget")
@@ -447,11 +447,12 @@ def main():
     ap.add_argument("--lr", type=float, default=3e-3)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--smoke", action="store_true", help="a few steps of a few files: checks every stage")
-    args = ap.parse_args()
-    torch.manual_seed(args.seed)
-    dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    t0 = time.time()
-    say = lambda *a: print(f"[{time.time() - t0:6.1f} s]", *a, flush=True)  # noqa: E731
+    return ap.parse_args()
+
+
+def prepare_data(args, dev, say):
+    """Corpus, tokenizer and token streams -> (tokenizer, train tokens on `dev`, held-out files, held-out
+    chunks [N, SEQ + 1]). Under --smoke, fewer files and a batch of 2 (args.batch is set)."""
     files = stdlib_files()
     train = [t for r, t in files if not held_out(r)]
     test = [(r, t) for r, t in files if held_out(r)]
@@ -466,10 +467,29 @@ def main():
     )
     n_chunks = 2 if args.smoke else 32
     chunks = held[: n_chunks * (SEQ + 1)].view(-1, SEQ + 1)
-    cfg = m.Config(**DEMO)
-    model = Model(cfg).to(dev)
-    n_params = sum(p.numel() for p in model.parameters())
-    say(f"model: {n_params / 1e6:.2f} M parameters")
+    return tok, data, test, chunks
+
+
+def learning_rate(args, step, frac):
+    """Linear warm-up over 100 steps, then cosine decay to a tenth of args.lr."""
+    return (
+        args.lr
+        * min(1.0, (step + 1) / 100)
+        * (0.1 + 0.9 * 0.5 * (1 + torch.cos(torch.tensor(frac * 3.14159))))
+    )
+
+
+@torch.no_grad()
+def balance_experts(model):
+    """Aux-loss-free balancing: bias += 1e-3 * sign(mean load - load)."""
+    for layer in model.model.layers:
+        if isinstance(layer.mlp, MoE):
+            load = layer.mlp.load
+            layer.mlp.gate.e_score_correction_bias += 1e-3 * torch.sign(load.mean() - load)
+
+
+def train_model(model, data, chunks, args, dev, say):
+    """The training loop (schedule fixed from the first 30 steps' time unless --smoke) -> number of steps."""
     opt = torch.optim.AdamW(
         model.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=0.1, fused=dev.type == "cuda"
     )
@@ -479,11 +499,7 @@ def main():
             steps = max(100, int(budget / ((time.time() - t_train) / 30)))
             say(f"{(time.time() - t_train) / 30 * 1e3:.0f} ms/step: {steps} steps")
         frac = step / (steps or 10**9)
-        lr = (
-            args.lr
-            * min(1.0, (step + 1) / 100)
-            * (0.1 + 0.9 * 0.5 * (1 + torch.cos(torch.tensor(frac * 3.14159))))
-        )
+        lr = learning_rate(args, step, frac)
         for g in opt.param_groups:
             g["lr"] = float(lr)
         sparse, QAT["on"] = frac >= 0.5, frac >= 0.75
@@ -496,11 +512,7 @@ def main():
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
-        with torch.no_grad():  # aux-loss-free balancing: bias += 1e-3 * sign(mean load - load)
-            for layer in model.model.layers:
-                if isinstance(layer.mlp, MoE):
-                    load = layer.mlp.load
-                    layer.mlp.gate.e_score_correction_bias += 1e-3 * torch.sign(load.mean() - load)
+        balance_experts(model)
         if step % 100 == 0 or step == (steps or 0) - 1:
             say(
                 f"step {step}: loss {main_loss.item():.3f}, "
@@ -509,6 +521,12 @@ def main():
                 f"lr {float(lr):.2e}, sparse {sparse}, fp8 {QAT['on']}"
             )
         step += 1
+    return steps
+
+
+def export_and_evaluate(model, tok, test, chunks, args, dev, say):
+    """bf16 held-out loss, export, the engine's FP8 held-out loss and MTP acceptance -> (bf16 losses, FP8
+    engine losses, prompts, mean accepted length, checkpoint bytes)."""
     model.eval()
     QAT["on"] = False
     bf16 = bf16_loss(model, chunks, dev)
@@ -523,6 +541,22 @@ def main():
     llm.generate(prompts, max_new_tokens=2 if args.smoke else 64, raw=True)
     accept = llm.stats["mean_accept_length"]
     say(f"greedy --mtp 3 on {len(prompts)} held-out prompts: mean accepted length {accept}")
+    return bf16, fp8, prompts, accept, size
+
+
+def main():
+    args = parse_args()
+    torch.manual_seed(args.seed)
+    dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    t0 = time.time()
+    say = lambda *a: print(f"[{time.time() - t0:6.1f} s]", *a, flush=True)  # noqa: E731
+    tok, data, test, chunks = prepare_data(args, dev, say)
+    cfg = m.Config(**DEMO)
+    model = Model(cfg).to(dev)
+    n_params = sum(p.numel() for p in model.parameters())
+    say(f"model: {n_params / 1e6:.2f} M parameters")
+    steps = train_model(model, data, chunks, args, dev, say)
+    bf16, fp8, prompts, accept, size = export_and_evaluate(model, tok, test, chunks, args, dev, say)
     info = dict(
         config=DEMO,
         seq=SEQ,
