@@ -3,9 +3,8 @@
   python bench.py decode --layers 9 --mtp 0 1 3  # full width, batch 1-64, context 1K-128K, MTP off / on
   python bench.py demo                           # the trained demo model: MTP vs none, greedy and sampled
 
-Runs under torchrun too; random FP8 weights are built on the GPU. Retired modes (their numbers in
-docs/benchmarks.md): `fp8` and verify attention at 7ef31db, scaled_mm at fea361d, attention micro-benchmarks,
-checkpoint I/O, 32K prompts at 4a9f43d, `baseline` (HF transformers vs nano-nsa) at 66e33bf.
+Runs under torchrun too; random FP8 weights are built on the GPU, after a check that they fit. Retired modes:
+docs/benchmarks.md.
 """
 
 import argparse
@@ -20,9 +19,12 @@ import time
 
 import torch
 
+import checks
 import hf_checkpoint
 import nano_nsa as m
 from tools.checkpoint import random_model, write_byte_tokenizer
+
+HEADROOM = 4 << 30  # activations, graph pools and the bandwidth test beside the weights and the KV pool
 
 
 def cuda_time(fn, warmup=3, iters=20):
@@ -193,37 +195,9 @@ def mtp_bytes(llm, reqs, tokens, h, meta, k, ctx):
     return extend_b + (k - 1) * draft_b + k * (nbytes(mtp.eh_proj) + nbytes(model.head))
 
 
-def time_parts(model, fn, replay):
-    """Kernel ms of a step by part: attention (MLA less indexer), indexer, MoE from profiler ranges of an
-    eager fn(); all-reduce from the NCCL kernels of a graph replay (eager: ranks waiting for each other)."""
-    from torch.profiler import ProfilerActivity, profile, record_function
-
-    names = {m.MLA: "attention_ms", m.Indexer: "indexer_ms", m.MoE: "moe_ms"}  # (MLA holds the indexer)
-    parts = [mod for mod in model.modules() if type(mod) in names]
-    ranges = []
-
-    def enter(mod, args):  # a profiler range named after the part, closed by its forward hook
-        ranges.append(record_function(names[type(mod)]).__enter__())
-
-    hooks = [mod.register_forward_pre_hook(enter) for mod in parts]
-    hooks += [mod.register_forward_hook(lambda *_: ranges.pop().__exit__(None, None, None)) for mod in parts]
-    try:
-        fn()
-        torch.cuda.synchronize()
-        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-            fn()
-            torch.cuda.synchronize()
-    finally:
-        for h in hooks:
-            h.remove()
-    t = dict.fromkeys(names.values(), 0.0)
-    for e in prof.events():
-        if e.device_type.name == "CPU" and e.name in t:
-            t[e.name] += e.device_time_total / 1e3
-    t["attention_ms"] -= t["indexer_ms"]
-    nccl = [e for e in kernel_events(replay) if "nccl" in e.key.lower()]
-    t["allreduce_ms"] = sum(e.device_time_total for e in nccl) / 1e3
-    return t
+def allreduce_ms(replay):
+    """Kernel ms of the NCCL all-reduces in one replay of a graph (tensor parallel; 0 at one rank)."""
+    return sum(e.device_time_total for e in kernel_events(replay) if "nccl" in e.key.lower()) / 1e3
 
 
 def profile_replay(fn, n_layers, top=12):
@@ -310,20 +284,44 @@ def measure_point(llm, k, bs, ctx, bw):
     # bench's own graph of the verify pass alone (the engine captures the whole round as one graph)
     replay = graph_of(lambda: model.logits(model(tokens, meta, cache)))
     t_layers = cuda_time(replay)
-    parts = time_parts(model, lambda: model(tokens, meta, cache), replay)
     release(llm, reqs)
     row = dict(mtp=k, bs=bs, ctx=ctx, round_ms=ms, tok_per_round=toks, tok_s=toks / ms * 1e3)
     row.update(tok_s_all_accepted=bs * (k + 1) / ms * 1e3, step_GB=read / 1e9, roofline=read / bw / ms * 1e3)
     row.update(verify_graph_ms=t_layers, verify_graph_roofline=graph_b / bw / t_layers * 1e3)
-    row.update(experts=round(statistics.mean(seen), 1) if seen else 0, tp=m.tp_size(), **parts)
+    row.update(experts=round(statistics.mean(seen), 1) if seen else 0, tp=m.tp_size())
+    row.update(allreduce_ms=allreduce_ms(replay))
     print(row, flush=True)
     return row, replay
+
+
+def kv_positions(points, k):
+    """The KV pool of `decode` at k drafts: pages for every point's requests."""
+    return max(bs * (ctx + 64 * m.round_lookahead(k)) for bs, ctx in points) + 4096
+
+
+def check_fits(layers, positions, free):
+    """Config.full(layers)'s weights (this rank's share), a KV pool of `positions` and headroom against `free`
+    GPU bytes, before anything is allocated -> an error line naming the largest --layers that fits, or None."""
+
+    def need(n):
+        cfg = m.Config.full(n_layers=n)
+        whole, split = checks.weight_bytes(cfg, m.Transformer, m.tp_size())
+        return whole + split // m.tp_size() + positions * m.KVCache.bytes_per_token(cfg) + HEADROOM
+
+    if need(layers) <= free:
+        return None
+    fits = [n for n in range(layers - 1, 0, -1) if need(n) <= free]
+    what = f"--layers {fits[0]} fits" if fits else "no --layers fits"
+    return (
+        f"error: Config.full(n_layers={layers}) needs {need(layers) / 2**30:.1f} GiB (weights, KV pool, "
+        f"headroom) but the GPU has {free / 2**30:.1f} GiB free; {what}"
+    )
 
 
 def decode_mtp(args, model, tok_dir, k, points, bw, extra):
     """Every point at k drafts, the bs=1 profile, CUDA graphs vs eager, at the largest k the metadata."""
     torch.cuda.empty_cache()
-    positions = max(bs * (ctx + 64 * m.round_lookahead(k)) for bs, ctx in points) + 4096
+    positions = kv_positions(points, k)
     opts = dict(kv_cache_bytes=positions * m.KVCache.bytes_per_token(model.cfg), max_batch=max(args.batch))
     t0 = time.perf_counter()
     llm = m.LLM(tok_dir, device="cuda", mtp=k, model=model, **opts)
@@ -362,6 +360,11 @@ def decode_mtp(args, model, tok_dir, k, points, bw, extra):
 def decode(args, out):
     """Decode rounds on Config.full(--layers) with random FP8 weights: tokens/s and round time vs the HBM
     roofline measured in the same run, per part, CUDA graphs vs eager, metadata once per step vs per layer."""
+    points = [(bs, ctx) for ctx in args.contexts for bs in args.batch if bs * ctx <= args.max_tokens]
+    points += [(1, c) for c in args.long]
+    refused = check_fits(args.layers, kv_positions(points, max(args.mtp)), torch.cuda.mem_get_info()[0])
+    if refused:
+        sys.exit(refused)
     bw = hbm_bandwidth() * 1e12
     cfg = m.Config.full(n_layers=args.layers)
     t0 = time.perf_counter()
@@ -379,8 +382,6 @@ def decode(args, out):
     if args.prefill:
         time_prefill(args, model, tok_dir, extra)
         gc.collect()  # (its engine)
-    points = [(bs, ctx) for ctx in args.contexts for bs in args.batch if bs * ctx <= args.max_tokens]
-    points += [(1, c) for c in args.long]
     res = []
     for k in args.mtp:
         res += decode_mtp(args, model, tok_dir, k, points, bw, extra)
@@ -388,8 +389,7 @@ def decode(args, out):
         f"Decode rounds, Config.full(n_layers={args.layers}) + MTP layer, CUDA graphs; roofline = bytes the "
         f"round must read / measured HBM bandwidth ({bw / 1e12:.2f} TB/s) / round time",
         "mtp | bs | ctx | round ms | tokens/round | tokens/s | tokens/s if all drafts accepted | GB/round | "
-        "roofline | verify pass ms (own graph) | its roofline | experts/MoE layer | TP ranks | "
-        "attention ms | indexer ms | MoE ms | all-reduce ms",
+        "roofline | verify pass ms (own graph) | its roofline | experts/MoE layer | TP ranks | all-reduce ms",
         [tuple(r.values()) for r in res],
     )
     eager = [(key, *v.values()) for key, v in extra.items() if key.startswith("eager")]

@@ -1057,6 +1057,21 @@ def test_mtp_drafts_match_recomputed_mtp(tiny_dir, monkeypatch):
     assert checked >= 8
 
 
+def test_bench_refuses_what_does_not_fit_in_one_line():
+    """bench.py decode checks the full-width model and its KV pool against the GPU's free memory before it
+    allocates: on an 80 GB H100 (about 78 GiB free) the README's 9 layers are refused in one line that names
+    the largest --layers that fits; on an H200 (about 139 GiB) they run."""
+    import bench
+
+    positions = bench.kv_positions([(bs, 4096) for bs in (1, 16, 64)], 3)
+    line = bench.check_fits(9, positions, 78 << 30)
+    assert line.startswith("error: Config.full(n_layers=9) needs") and "\n" not in line
+    fits = int(re.search(r"--layers (\d+) fits", line)[1])
+    assert 1 <= fits < 9 and bench.check_fits(fits, positions, 78 << 30) is None
+    assert bench.check_fits(fits + 1, positions, 78 << 30) is not None
+    assert bench.check_fits(9, positions, 139 << 30) is None
+
+
 def test_cuda_graph_buckets_split_evenly_over_tp_ranks():
     """Buckets keep only batch sizes whose rows (bs x rows per request) split evenly over the TP ranks, and
     the smallest bucket pads a one-request step to the fewest rows that do (bs=1 verify of 4 rows at TP 8: 8
