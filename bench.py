@@ -301,7 +301,7 @@ def kv_positions(points, k):
 
 def check_fits(layers, positions, free):
     """Config.full(layers)'s weights (this rank's share), a KV pool of `positions` and headroom against `free`
-    GPU bytes, before anything is allocated -> an error line naming the largest --layers that fits, or None."""
+    GPU bytes, before anything is allocated -> an error line naming the largest --layers that fits or None."""
 
     def need(n):
         cfg = m.Config.full(n_layers=n)
