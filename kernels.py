@@ -837,20 +837,13 @@ def sample(probs, seeds, positions, stream):
 
 # ---- Sampling distributions: softmax(logits / T) cut to the top-p nucleus, one program per row ----
 @triton.jit
-def _probs_block(x_ptr, row, start, cols, V, temp, m, z):
-    """The softmax probabilities of one block of a row (m, z: the row's max of logits / T and its sum)."""
-    mask = start + cols < V
-    y = tl.load(x_ptr + row + start + cols, mask=mask, other=-float("inf")) / temp
-    return tl.where(mask, tl.exp(y - m) / z, 0.0), mask
-
-
-@triton.jit
-def _nucleus(p, mask, v0, g0, top_p, tied_before):
-    """Which of a block's p the nucleus keeps: all above the threshold v0, and of those equal to it the first
-    ones in index order while the mass before them (g0 above v0, then the ties before) stays below top_p."""
-    tied = (p == v0) & mask
+def _nucleus(e, mask, v0, g0, target, tied_before):
+    """Which of a block's weights e the nucleus keeps: all above the threshold v0, and of those equal to it
+    the first ones in index order while the weight before them (g0 above v0, then the ties before) stays below
+    target (top_p times the row's total)."""
+    tied = (e == v0) & mask
     rank = tied_before + tl.cumsum(tied.to(tl.int32), 0) - tied.to(tl.int32)
-    keep = (p > v0) | (tied & (g0 + rank.to(tl.float32) * v0 < top_p))
+    keep = (e > v0) | (tied & (g0 + rank.to(tl.float32) * v0 < target))
     return keep & mask, tied_before + tl.sum(tied.to(tl.int32), 0)
 
 
@@ -858,59 +851,63 @@ def _nucleus(p, mask, v0, g0, top_p, tied_before):
 def _probs_kernel(
     x_ptr, temp_ptr, top_p_ptr, out_ptr, V: tl.constexpr, BLOCK: tl.constexpr, SEARCH: tl.constexpr
 ):
-    """One row per program, in passes over its V logits in blocks: the max and first argmax, the softmax sum,
-    31 bisection steps for the nucleus threshold (over float bits: the mass above v falls as v rises), the
-    kept mass, then the distribution written out."""
+    """One row per program, in passes over its V entries in blocks: the max of logits / T and its first index;
+    the weights e = exp(y - max), stored in the output row (each later pass reads these very bits) with their
+    total z; nine passes of a 17-way search over float bits for the nucleus threshold (the weight above a
+    value falls as the value rises, and the nucleus keeps what is above the smallest value whose weight above
+    is below top_p z); the kept weight; then the kept weights normalized (a greedy row: one-hot)."""
     r = tl.program_id(0)
-    row = r.to(tl.int64) * V
+    row = out_ptr + r.to(tl.int64) * V
     t = tl.load(temp_ptr + r)
-    top_p = tl.load(top_p_ptr + r)
+    target = tl.load(top_p_ptr + r)
     temp = tl.where(t == 0, 1.0, t)
     cols = tl.arange(0, BLOCK)
     m = tl.zeros([], tl.float32) - float("inf")
     first = tl.zeros([], tl.int32)
     for start in range(0, V, BLOCK):
-        y = tl.load(x_ptr + row + start + cols, mask=start + cols < V, other=-float("inf")) / temp
+        y = tl.load(x_ptr + r.to(tl.int64) * V + start + cols, mask=start + cols < V, other=-float("inf"))
+        y = y / temp
         best = tl.max(y, 0)
         first = tl.where(best > m, start + tl.argmax(y, 0), first)
         m = tl.maximum(m, best)
     z = tl.zeros([], tl.float32)
     for start in range(0, V, BLOCK):
-        y = tl.load(x_ptr + row + start + cols, mask=start + cols < V, other=-float("inf")) / temp
-        z += tl.sum(tl.exp(y - m), 0)
-    lo = tl.zeros([], tl.int64)
-    hi = tl.where(top_p < 1.0, 0x3F800000, 0).to(tl.int64)  # bits of 1.0 (nothing above it), or 0 (keep all)
+        y = tl.load(x_ptr + r.to(tl.int64) * V + start + cols, mask=start + cols < V, other=-float("inf"))
+        e = tl.where(start + cols < V, tl.exp(y / temp - m), 0.0)
+        tl.store(row + start + cols, e, mask=start + cols < V)
+        z += tl.sum(e, 0)
+    tl.debug_barrier()  # (the weights stored above, read back below by other threads of the program)
+    top = tl.where(target < 1.0, 0x3F800000, 0).to(tl.int64)  # bits of 1.0 (the largest e) or 0 (keep all)
+    target = target * z
+    lo, hi = tl.zeros([], tl.int64), top
     k = tl.arange(0, 16)
-    for _pass in range(
-        9
-    ):  # a 17-way search: the span of candidate bits shrinks 17 times a pass, 2^30 to 0 in 9
+    for _pass in range(9):  # the span of candidate bits shrinks 17 times a pass: from 2^30 to 0 in nine
         c = lo + ((hi - lo) * (k + 1)) // 17  # [16] candidate thresholds, as float bits
         v = c.to(tl.int32).to(tl.float32, bitcast=True)
-        g = tl.zeros([16], tl.float32)  # the mass above each candidate
+        g = tl.zeros([16], tl.float32)  # the weight above each candidate
         for start in range(0, V, SEARCH):
-            p = _probs_block(x_ptr, row, start, tl.arange(0, SEARCH), V, temp, m, z)[0]
-            g += tl.sum(tl.where(p[:, None] > v[None, :], p[:, None], 0.0), 0)
-        n_above = tl.sum((g >= top_p).to(tl.int32), 0)  # candidates with too much mass above: the first ones
+            e = tl.load(row + start + tl.arange(0, SEARCH), mask=start + tl.arange(0, SEARCH) < V, other=0.0)
+            g += tl.sum(tl.where(e[:, None] > v[None, :], e[:, None], 0.0), 0)
+        n_above = tl.sum((g >= target).to(tl.int32), 0)  # candidates with too much weight above: the first
         hi = tl.where(n_above < 16, tl.sum(tl.where(k == n_above, c, 0), 0), hi)
         lo = tl.where(n_above > 0, tl.sum(tl.where(k == n_above - 1, c, 0), 0) + 1, lo)
     v0 = hi.to(tl.int32).to(tl.float32, bitcast=True)
     g0 = tl.zeros([], tl.float32)
     for start in range(0, V, BLOCK):
-        p = _probs_block(x_ptr, row, start, cols, V, temp, m, z)[0]
-        g0 += tl.sum(tl.where(p > v0, p, 0.0), 0)
-    kept_mass = tl.zeros([], tl.float32)
+        e = tl.load(row + start + cols, mask=start + cols < V, other=0.0)
+        g0 += tl.sum(tl.where(e > v0, e, 0.0), 0)
+    kept, tied = tl.zeros([], tl.float32), tl.zeros([], tl.int32)
+    for start in range(0, V, BLOCK):
+        e = tl.load(row + start + cols, mask=start + cols < V, other=0.0)
+        keep, tied = _nucleus(e, start + cols < V, v0, g0, target, tied)
+        kept += tl.sum(tl.where(keep, e, 0.0), 0)
+    tl.debug_barrier()
     tied = tl.zeros([], tl.int32)
     for start in range(0, V, BLOCK):
-        p, mask = _probs_block(x_ptr, row, start, cols, V, temp, m, z)
-        keep, tied = _nucleus(p, mask, v0, g0, top_p, tied)
-        kept_mass += tl.sum(tl.where(keep, p, 0.0), 0)
-    tied = tl.zeros([], tl.int32)
-    for start in range(0, V, BLOCK):
-        p, mask = _probs_block(x_ptr, row, start, cols, V, temp, m, z)
-        keep, tied = _nucleus(p, mask, v0, g0, top_p, tied)
-        out = tl.where(keep, p / kept_mass, 0.0)
-        out = tl.where(t == 0, (start + cols == first).to(tl.float32), out)
-        tl.store(out_ptr + row + start + cols, out, mask=mask)
+        e = tl.load(row + start + cols, mask=start + cols < V, other=0.0)
+        keep, tied = _nucleus(e, start + cols < V, v0, g0, target, tied)
+        out = tl.where(t == 0, (start + cols == first).to(tl.float32), tl.where(keep, e / kept, 0.0))
+        tl.store(row + start + cols, out, mask=start + cols < V)
 
 
 def probs_from_logits(logits, temperature, top_p):
