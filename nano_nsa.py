@@ -1849,12 +1849,14 @@ class LLM:
             self.warm_up()
 
     def warm_up(self):
-        """Build the prefill path's GPU kernels (Triton compiles them at first use: seconds on a fresh
-        machine) before any generate the caller times, and say how long it took."""
+        """Build the GPU kernels (Triton compiles them at first use: seconds on a fresh machine) and the
+        greedy round's graphs of one and two requests before any generate the caller times, and say how long
+        it took."""
         t0 = time.perf_counter()
-        self.generate([[self.cfg.bos_token_id] * n for n in (5, 16)], max_new_tokens=2)
+        for lengths in ((5, 16), (16,)):
+            self.generate([[self.cfg.bos_token_id] * n for n in lengths], max_new_tokens=2)
         if tp_rank() == 0:
-            print(f"nano-nsa: built the prefill kernels in {time.perf_counter() - t0:.1f} s", file=sys.stderr)
+            print(f"nano-nsa: built the kernels in {time.perf_counter() - t0:.1f} s", file=sys.stderr)
 
     @property
     def graphs(self):
