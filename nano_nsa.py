@@ -24,7 +24,8 @@ import math
 import os
 import sys
 import time
-from dataclasses import dataclass, field, fields, replace
+from copy import copy
+from dataclasses import dataclass, field, fields
 from functools import partial
 from itertools import accumulate
 from types import SimpleNamespace
@@ -1105,9 +1106,9 @@ def load_model(path, device="cpu", kernels="auto", cfg=None) -> Transformer:
 def share_mtp_copies(model):
     """The MTP embedding and head are copies of the main ones in the checkpoint: share them when equal."""
     for mtp in model.mtp:
-        for copy, main in ((mtp.embed, model.embed), (mtp.shared_head.head, model.head)):
-            if torch.equal(copy.weight, main.weight):
-                copy.weight = main.weight
+        for twin, main in ((mtp.embed, model.embed), (mtp.shared_head.head, model.head)):
+            if torch.equal(twin.weight, main.weight):
+                twin.weight = main.weight
     return model
 
 
@@ -1526,7 +1527,8 @@ def speculative_round(model, cache, batch: Batch):
     next_tokens = emitted  # (k = 0: the one token emitted)
     if n > 1:
         kept = (offsets < counts[:, None]).flatten()  # [B*(k+1)] the rows whose x was emitted
-        extend = replace(meta, slots=meta.slots * kept)
+        extend = copy(meta)  # (its positions and lengths as they are)
+        extend.slots = meta.slots * kept
         h = model.mtp_forward(emitted.flatten() * kept, h, extend, cache)
         h = h[torch.arange(B, device=dev) * n + counts - 1]  # each request's last emitted row
         start = batch.start + counts  # L': the position of the last emitted token
@@ -1550,11 +1552,12 @@ def draft(model, cache, h, logits, start, batch, k):
     tokens, dists = [], []
     for step in range(k):
         if step:
-            meta = Meta("decode", start + step - 1, rows, batch.table, list(range(B + 1)), batch.max_ctx)
+            meta = Meta("decode", start + (step - 1), rows, batch.table, list(range(B + 1)), batch.max_ctx)
             layer = min(step, len(model.mtp) - 1)
             h = model.mtp_forward(tokens[-1], h, meta, cache, layer)
             logits = model.mtp[layer].logits(h)
-        token, q = draw(model.ops, logits, batch.sp, start + step + 1, DRAFT)
+        positions = start + (step + 1) if batch.sp.sampling else None  # (a greedy draft: an argmax)
+        token, q = draw(model.ops, logits, batch.sp, positions, DRAFT)
         tokens.append(token)
         dists.append(q)
     q = torch.stack(dists, 1) if batch.sp.sampling else None
