@@ -914,6 +914,9 @@ class KVCache:
     def layer(self, i):
         return LayerCache(self.latent[i], self.ik[i], self.iks[i], self.C)
 
+    def tensors(self):  # (every layer's: a preempted request's KV moves to host memory and back)
+        return self.latent, self.ik, self.iks
+
 
 # ---- The kernel boundary: the few names through which the GPU path plugs in --------------------------------
 # Layers call these through `self.ops`. Transformer.bind points every layer at one set, once, at load:
@@ -1270,7 +1273,7 @@ class Request:
     seed: int  # keys its random numbers (with each token's position)
     num_cached: int = 0  # positions whose main-model KV is in the pool; decode phase: len(tokens) - 1
     pages: list = field(default_factory=list)
-    swapped: tuple = None  # its KV in host memory while preempted (PagePool.swap_out)
+    swapped: list = None  # its KV in host memory while preempted (PagePool.swap_out)
     draft: torch.Tensor = (
         None  # [k] draft tokens for its next verify, on the device, while it is not in a batch
     )
@@ -1349,23 +1352,17 @@ class PagePool:
         pages back. Swapping it in later restores exactly the bits it had: recomputing them through the
         prefill path would not (its numerics differ from the decode path that first wrote them)."""
         slots = self.table([req])[0]
-        req.swapped = (
-            self.cache.latent[:, slots].cpu(),
-            self.cache.ik[:, slots].cpu(),
-            self.cache.iks[:, slots].cpu(),
-        )
+        req.swapped = [t[:, slots].cpu() for t in self.cache.tensors()]
         self.release(req)
 
     def swap_in(self, req):
         """Pages for a swapped-out request with its KV copied back; False (nothing changed) if the pool is
         short."""
-        latent, ik, iks = req.swapped
-        if not self.reserve(req, latent.shape[1]):
+        if not self.reserve(req, req.swapped[0].shape[1]):
             return False
         slots = self.table([req])[0]
-        self.cache.latent[:, slots] = latent.to(self.device)
-        self.cache.ik[:, slots] = ik.to(self.device)
-        self.cache.iks[:, slots] = iks.to(self.device)
+        for t, saved in zip(self.cache.tensors(), req.swapped, strict=True):
+            t[:, slots] = saved.to(self.device)
         req.swapped = None
         return True
 
