@@ -8,6 +8,7 @@ equality.
 """
 
 import contextlib
+import functools
 import json
 import math
 import os
@@ -1361,18 +1362,19 @@ def _decode_rows(batch, ctx, cfg, gen):
     return cache, table
 
 
-def _batch_op(op, batch, gen):
-    """fn(n) -> the output rows of `op` over the first n of `batch` rows of random inputs (real shapes)."""
+def _random_bf16_rows(batch, gen, *shape, scale=1.0):
+    return (torch.randn(batch, *shape, device="cuda", generator=gen) * scale).to(m.BF16)
+
+
+def _random_bf16(gen, *shape, scale=0.01):
+    return (torch.randn(*shape, device="cuda", generator=gen) * scale).to(m.BF16)
+
+
+def _batch_op_rowwise(op, batch, gen, cfg):
+    """_batch_op's quantization, norm, RoPE and routing ops; None for another op."""
     import kernels
 
-    cfg = m.Config.full(2)
-
-    def rows(*shape, scale=1.0):
-        return (torch.randn(batch, *shape, device="cuda", generator=gen) * scale).to(m.BF16)
-
-    def weight(*shape, scale=0.01):
-        return (torch.randn(*shape, device="cuda", generator=gen) * scale).to(m.BF16)
-
+    rows = functools.partial(_random_bf16_rows, batch, gen)
     if op == "act_quant":
         x = rows(7168)
         return lambda n: torch.cat([t.float().flatten(1) for t in kernels.act_quant(x[:n])], 1)
@@ -1401,10 +1403,6 @@ def _batch_op(op, batch, gen):
         q = rows(128, 192)[..., 128:]
         cos, sin = m.rope_cos_sin(cfg, torch.randint(0, 100000, (batch,), device="cuda", generator=gen))
         return lambda n: kernels.rope(q[:n], cos[:n], sin[:n], interleaved=True).flatten(1)
-    if op == "swiglu_linear":  # the shared expert's down projection, SwiGLU and act-quant folded in
-        w, scale = _random_fp8(7168, 2048, gen)
-        h = rows(4096)
-        return lambda n: kernels.swiglu_linear(h[:n], w, scale)
     if op == "route":  # the router after its product
         logits = torch.randn(batch, 256, device="cuda", generator=gen)
         bias = torch.randn(256, device="cuda", generator=gen) * 0.1
@@ -1415,6 +1413,18 @@ def _batch_op(op, batch, gen):
         x = rows(dim)
         residual = rows(dim)
         return lambda n: torch.cat(kernels.rms_norm(x[:n], residual[:n], weight, 1e-6), 1)
+    return None
+
+
+def _batch_op_gemm(op, batch, gen, cfg):
+    """_batch_op's GEMMs: FP8 and dense linears, MLA's absorbed head products, MoE; None for another op."""
+    import kernels
+
+    rows = functools.partial(_random_bf16_rows, batch, gen)
+    if op == "swiglu_linear":  # the shared expert's down projection, SwiGLU and act-quant folded in
+        w, scale = _random_fp8(7168, 2048, gen)
+        h = rows(4096)
+        return lambda n: kernels.swiglu_linear(h[:n], w, scale)
     if op.startswith("fp8_linear"):
         shapes = dict(
             fp8_linear_wqkv_a=(2240, 7168), fp8_linear_wo=(7168, 16384), fp8_linear_wq_b=(24576, 1536)
@@ -1425,16 +1435,16 @@ def _batch_op(op, batch, gen):
         return lambda n: kernels.fp8_linear(x[:n], w, scale)
     if op.startswith("dense_linear"):
         n_out, k = dict(head=(cfg.vocab_size, 7168), weights_proj=(64, 7168), eh_proj=(7168, 14336))[op[13:]]
-        w = weight(n_out, k)
+        w = _random_bf16(gen, n_out, k)
         x = rows(k)
         return lambda n: kernels.dense_linear(x[:n], w)
     if op == "gate":  # the router's scores (Gate.forward)
-        w = weight(256, 7168)
+        w = _random_bf16(gen, 256, 7168)
         x = rows(7168)
         return lambda n: kernels.dense_linear(x[:n], w)
     if op in ("absorb_q", "absorb_o"):  # MLA's absorbed W_UK / W_UV products
-        w_uk = weight(128, 512, 128, scale=0.05)
-        w_uv = weight(128, 128, 512, scale=0.05)
+        w_uk = _random_bf16(gen, 128, 512, 128, scale=0.05)
+        w_uv = _random_bf16(gen, 128, 128, 512, scale=0.05)
         if op == "absorb_q":
             q = rows(128, 128)
             return lambda n: kernels.head_linear(q[:n], w_uk)
@@ -1451,6 +1461,14 @@ def _batch_op(op, batch, gen):
         idx = torch.rand(batch, 256, device="cuda", generator=gen).topk(8, -1).indices
         weights = torch.rand(batch, 8, device="cuda", generator=gen)
         return lambda n: kernels.moe_grouped(x[:n], weights[:n], idx[:n], w13, s13, w2, s2)
+    return None
+
+
+def _batch_op_attention(op, batch, gen, cfg):
+    """_batch_op's decode attention over a 4096-token context: index_topk, or else sparse_mla."""
+    import kernels
+
+    rows = functools.partial(_random_bf16_rows, batch, gen)
     ctx = 4096
     cache, table = _decode_rows(batch, ctx, cfg, gen)
 
@@ -1470,6 +1488,16 @@ def _batch_op(op, batch, gen):
     return lambda n: kernels.sparse_mla(
         q_abs[:n], q_pe[:n], cache, chosen[:n], meta_for(n), cfg.softmax_scale
     )
+
+
+def _batch_op(op, batch, gen):
+    """fn(n) -> the output rows of `op` over the first n of `batch` rows of random inputs (real shapes)."""
+    cfg = m.Config.full(2)
+    for build in (_batch_op_rowwise, _batch_op_gemm):
+        fn = build(op, batch, gen, cfg)
+        if fn is not None:
+            return fn
+    return _batch_op_attention(op, batch, gen, cfg)
 
 
 BATCH_OPS = ["act_quant", "index_quant_q", "store_index_key", "rmsnorm", "rmsnorm_q"]
@@ -2129,77 +2157,85 @@ SHARD_FAULTS = [
 ]
 
 
+def _break_shard_layout(fault, file, victim):
+    """Damage a shard's bytes or header, for safetensors itself to refuse; -> the expected error's parts."""
+    raw = open(file, "rb").read()
+    damaged = [f"{file}: not a safetensors file, or damaged or truncated ("]  # then safetensors' own words
+    if fault == "truncated":
+        open(file, "wb").write(raw[:-1000])
+    elif fault == "empty":
+        open(file, "wb").write(b"")
+    elif fault == "header_length":
+        open(file, "wb").write((1 << 60).to_bytes(8, "little") + raw[8:])
+    elif fault == "corrupt_header":
+        open(file, "wb").write(raw[:8] + raw[8:20].replace(b'"', b"\xff") + raw[20:])
+    elif fault == "header_not_object":
+        _rewrite_header(file, lambda h: h.update({victim: "F8_E4M3"}))
+    elif fault == "wrong_length":
+        _rewrite_header(file, lambda h: h[victim]["shape"].__setitem__(0, h[victim]["shape"][0] - 1))
+    elif fault == "overlap":
+        _rewrite_header(
+            file, lambda h: h[victim].update(data_offsets=[o - 8 for o in h[victim]["data_offsets"]])
+        )
+    elif fault == "extra_bytes":
+        open(file, "ab").write(b"\0" * 8)
+    elif fault == "bad_dtype":
+        _rewrite_header(file, lambda h: h[victim].update(dtype="F8_E9M9"))
+        return damaged + ["F8_E9M9"]
+    else:
+        raise AssertionError(f"not a shard layout fault: {fault}")
+    return damaged
+
+
+def _break_index(fault, bad, victim, shard, other):
+    """Damage model.safetensors.index.json; -> the expected error's parts."""
+    index = os.path.join(bad, "model.safetensors.index.json")
+    doc = json.load(open(index))
+    if fault == "index_not_json":
+        open(index, "w").write(json.dumps(doc)[:-5])
+        return ["model.safetensors.index.json: not valid JSON"]
+    if fault == "index_no_weight_map":
+        open(index, "w").write(json.dumps({"metadata": doc["metadata"]}))
+        return ["model.safetensors.index.json: expected a weight_map"]
+    doc["weight_map"][victim] = other
+    open(index, "w").write(json.dumps(doc))
+    return [shard, f"tensor {victim} is in {shard}, but the index says {other}"]
+
+
+def _break_tensors(fault, bad, file, victim, shard, other):
+    """Rewrite a shard's tensors: the victim also in another shard, or one nan in a bf16 tensor, or the fp8
+    nan code in an fp8 one; -> the expected error's parts."""
+    from safetensors.torch import load_file, save_file
+
+    if fault == "duplicate":
+        tensors = load_file(os.path.join(bad, other))
+        tensors[victim] = load_file(file)[victim]
+        save_file(tensors, os.path.join(bad, other), metadata={"format": "pt"})
+        return [shard, f"tensor {victim} is in both", other]
+    tensors = load_file(file)
+    name = victim if fault == "nan_fp8" else next(k for k, t in tensors.items() if t.dtype == torch.bfloat16)
+    flat = tensors[name].view(torch.uint8).flatten() if fault == "nan_fp8" else tensors[name].flatten()
+    flat[7] = 0x7F if fault == "nan_fp8" else float("nan")
+    save_file(tensors, file, metadata={"format": "pt"})
+    return [shard, f"tensor {name} holds 1 nan or inf values"]
+
+
 @pytest.mark.parametrize("fault", SHARD_FAULTS)
 def test_damaged_shard_is_one_clear_line(tiny_dir, tmp_path, fault, capsys):
     """Every damaged shard or index gives one ValueError line naming the file (and the tensor where there is
     one), before any weight is read (except nan / inf values, found while reading); the CLI prints it, exit
     code 1. A damaged safetensors header or data span is found by safetensors itself as the shard opens."""
-    from safetensors.torch import load_file, save_file
-
     bad, weight_map = _damaged_copy(tiny_dir, tmp_path)
     victim = "model.layers.1.self_attn.kv_b_proj.weight"
     shard = weight_map[victim]
     file = os.path.join(bad, shard)
-    raw = open(file, "rb").read()
     other = next(f for f in sorted(set(weight_map.values())) if f != shard)
-    expect = [shard]
-    damaged = [f"{file}: not a safetensors file, or damaged or truncated ("]  # then safetensors' own words
-    if fault == "truncated":
-        open(file, "wb").write(raw[:-1000])
-        expect = damaged
-    elif fault == "empty":
-        open(file, "wb").write(b"")
-        expect = damaged
-    elif fault == "header_length":
-        open(file, "wb").write((1 << 60).to_bytes(8, "little") + raw[8:])
-        expect = damaged
-    elif fault == "corrupt_header":
-        open(file, "wb").write(raw[:8] + raw[8:20].replace(b'"', b"\xff") + raw[20:])
-        expect = damaged
-    elif fault == "header_not_object":
-        _rewrite_header(file, lambda h: h.update({victim: "F8_E4M3"}))
-        expect = damaged
-    elif fault == "wrong_length":
-        _rewrite_header(file, lambda h: h[victim]["shape"].__setitem__(0, h[victim]["shape"][0] - 1))
-        expect = damaged
-    elif fault == "overlap":
-        _rewrite_header(
-            file, lambda h: h[victim].update(data_offsets=[o - 8 for o in h[victim]["data_offsets"]])
-        )
-        expect = damaged
-    elif fault == "extra_bytes":
-        open(file, "ab").write(b"\0" * 8)
-        expect = damaged
-    elif fault == "bad_dtype":
-        _rewrite_header(file, lambda h: h[victim].update(dtype="F8_E9M9"))
-        expect = damaged + ["F8_E9M9"]
-    elif fault == "duplicate":
-        tensors = load_file(os.path.join(bad, other))
-        tensors[victim] = load_file(file)[victim]
-        save_file(tensors, os.path.join(bad, other), metadata={"format": "pt"})
-        expect += [f"tensor {victim} is in both", other]
-    elif fault.startswith("index"):
-        index = os.path.join(bad, "model.safetensors.index.json")
-        doc = json.load(open(index))
-        if fault == "index_not_json":
-            open(index, "w").write(json.dumps(doc)[:-5])
-            expect = ["model.safetensors.index.json: not valid JSON"]
-        elif fault == "index_no_weight_map":
-            open(index, "w").write(json.dumps({"metadata": doc["metadata"]}))
-            expect = ["model.safetensors.index.json: expected a weight_map"]
-        else:
-            doc["weight_map"][victim] = other
-            open(index, "w").write(json.dumps(doc))
-            expect += [f"tensor {victim} is in {shard}, but the index says {other}"]
-    else:  # one nan in a bf16 tensor, or the fp8 nan code in an fp8 one
-        tensors = load_file(file)
-        name = (
-            victim if fault == "nan_fp8" else next(k for k, t in tensors.items() if t.dtype == torch.bfloat16)
-        )
-        flat = tensors[name].view(torch.uint8).flatten() if fault == "nan_fp8" else tensors[name].flatten()
-        flat[7] = 0x7F if fault == "nan_fp8" else float("nan")
-        save_file(tensors, file, metadata={"format": "pt"})
-        expect += [f"tensor {name} holds 1 nan or inf values"]
+    if fault.startswith("index"):
+        expect = _break_index(fault, bad, victim, shard, other)
+    elif fault == "duplicate" or fault.startswith("nan"):
+        expect = _break_tensors(fault, bad, file, victim, shard, other)
+    else:
+        expect = _break_shard_layout(fault, file, victim)
     with pytest.raises(ValueError) as e:
         m.load_model(bad)
     assert all(x in str(e.value) for x in expect) and "\n" not in str(e.value), str(e.value)
@@ -2814,21 +2850,10 @@ def _tp_share(cfg, name, nbytes, rank, ranks):
     return nbytes // ranks if split else nbytes
 
 
-def _tp_runs(model_dir, tmp_path, n, device, kernels):
-    """TP=1 in this process, then `torchrun --nproc-per-node n` of the same; -> (TP=1's record, the ranks'
-    records), after checking what must hold on any device: every rank the same tokens, drafts, logits and
-    indexer selections (in every layer and step), and each rank's bytes read = its share of the checkpoint
-    (computed here)."""
+def _tp_torchrun(model_dir, tmp_path, n, device, kernels):
+    """`torchrun --nproc-per-node n` of `test_nano.py tp-run`, its records written to tmp_path / "tp"."""
     import subprocess
 
-    from safetensors.torch import load_file
-
-    g = torch.Generator().manual_seed(5)  # contexts > index_topk 32: real top-k selections
-    prompts = [torch.randint(6, 262, (k,), generator=g).tolist() for k in (70, 41, 55, 36)]
-    os.makedirs(tmp_path / "tp")
-    for d in (tmp_path, tmp_path / "tp"):
-        (d / "prompts.json").write_text(json.dumps(prompts))
-    _tp_run(model_dir, str(tmp_path), device, kernels)
     here = os.path.dirname(os.path.abspath(__file__))
     env = dict(
         os.environ, OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join([here, os.environ.get("PYTHONPATH", "")])
@@ -2855,10 +2880,10 @@ def _tp_runs(model_dir, tmp_path, n, device, kernels):
         cwd=str(tmp_path),
     )
     assert r.returncode == 0, r.stderr[-3000:]
-    one, *ranks = (
-        torch.load(d / f"rank{i}.pt", map_location="cpu")
-        for d, i in [(tmp_path, 0)] + [(tmp_path / "tp", i) for i in range(n)]
-    )
+
+
+def _check_ranks_agree(ranks):
+    """Every rank the same tokens, drafts, accept lengths, logits and indexer selections."""
     for x in ranks[1:]:
         for key in ("tokens", "drafts", "accept"):
             assert x[key] == ranks[0][key], key
@@ -2867,7 +2892,12 @@ def _tp_runs(model_dir, tmp_path, n, device, kernels):
         assert all(torch.equal(a, b) for a, b in zip(x["selections"], ranks[0]["selections"], strict=True)), (
             "indexer selections"
         )
-    assert max(s.shape[1] for s in one["selections"]) == 32  # top-k of longer contexts ran
+
+
+def _check_bytes_read(model_dir, one, ranks, n):
+    """TP=1 read the whole checkpoint, and each rank exactly its share of it."""
+    from safetensors.torch import load_file
+
     cfg = m.Config.from_json(model_dir)
     sizes = {
         k: t.numel() * t.element_size()
@@ -2878,6 +2908,27 @@ def _tp_runs(model_dir, tmp_path, n, device, kernels):
     assert one["bytes"] == sum(sizes.values())
     for rank, got in enumerate(ranks):
         assert got["bytes"] == sum(_tp_share(cfg, k, b, rank, n) for k, b in sizes.items()), f"rank {rank}"
+
+
+def _tp_runs(model_dir, tmp_path, n, device, kernels):
+    """TP=1 in this process, then `torchrun --nproc-per-node n` of the same; -> (TP=1's record, the ranks'
+    records), after checking what must hold on any device: every rank the same tokens, drafts, logits and
+    indexer selections (in every layer and step), and each rank's bytes read = its share of the checkpoint
+    (computed here)."""
+    g = torch.Generator().manual_seed(5)  # contexts > index_topk 32: real top-k selections
+    prompts = [torch.randint(6, 262, (k,), generator=g).tolist() for k in (70, 41, 55, 36)]
+    os.makedirs(tmp_path / "tp")
+    for d in (tmp_path, tmp_path / "tp"):
+        (d / "prompts.json").write_text(json.dumps(prompts))
+    _tp_run(model_dir, str(tmp_path), device, kernels)
+    _tp_torchrun(model_dir, tmp_path, n, device, kernels)
+    one, *ranks = (
+        torch.load(d / f"rank{i}.pt", map_location="cpu")
+        for d, i in [(tmp_path, 0)] + [(tmp_path / "tp", i) for i in range(n)]
+    )
+    _check_ranks_agree(ranks)
+    assert max(s.shape[1] for s in one["selections"]) == 32  # top-k of longer contexts ran
+    _check_bytes_read(model_dir, one, ranks, n)
     return one, ranks
 
 
