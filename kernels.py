@@ -722,8 +722,9 @@ def _stack(lins):
 
 
 def prepare(model):
-    """Kernel of nano_nsa.prepare, called once by Transformer.bind: every MLA's wq_a | indexer.wk | wkv_a
-    (kv_a's 576 rows last) and every SwiGLU's w1 | w3 (dense MLPs and the routed experts) stacked (_stack)."""
+    """The GPU's prepare (nano_nsa.dequantize_weights is the references'), called once by Transformer.bind:
+    every MLA's wq_a | indexer.wk | wkv_a (kv_a's 576 rows last) and every SwiGLU's w1 | w3 (dense MLPs and
+    the routed experts) stacked (_stack)."""
     for mod in model.modules():
         if type(mod).__name__ == "MLA":
             _stack((mod.wq_a, mod.indexer.wk, mod.wkv_a))

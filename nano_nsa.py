@@ -8,7 +8,8 @@ differs, a comment says why. Part 2 is the engine: chat encoding -> sampling and
 requests -> the KV page pool -> the scheduler -> the speculative round (verify, accept, draft-extend,
 draft) -> the runner -> CUDA graphs -> `LLM.generate` -> `main`. What a reader can skip lives beside this
 file: the checkpoint format and its checks (hf_checkpoint.py), the checks of user arguments (checks.py), the
-command line (cli.py), and the GPU kernels behind the same names as the references here (kernels.py).
+command line (cli.py), and the GPU kernels behind the same names as the references here (kernels.py, with
+the FP8 GEMM family in fp8_gemm.py).
 
 Dimension legend used in shape comments:
   T tokens (rows) in the forward pass   B requests in the batch   N context positions of a request
@@ -19,6 +20,7 @@ Dimension legend used in shape comments:
 
 from __future__ import annotations
 
+import functools
 import gc
 import math
 import os
@@ -26,7 +28,6 @@ import sys
 import time
 from copy import copy
 from dataclasses import dataclass, field, fields
-from functools import partial
 from itertools import accumulate
 from types import SimpleNamespace
 
@@ -131,11 +132,15 @@ TINY |= dict(index_n_heads=4, index_topk=32)  # the indexer
 
 
 # ---- Building blocks: FP8 activation quantization and linear, norms, YaRN RoPE, Hadamard, stable top-k -----
-# Two names are used in this part before their own sections, and are all a layer needs to know of them:
+# Two things are used in this part before their own sections, and are all a layer needs to know of them:
 #   self.ops   the kernel set every layer calls its heavy math through ("The kernel boundary" below): torch
 #              references written here, or kernels.py's GPU versions of the same names, bound once at load;
 #   tp_size(), tp_rank(), all_reduce()   tensor parallelism ("Tensor parallelism" below): 1, 0 and nothing at
 #              one rank; under torchrun a layer holds its rank's share of the weights and sums the parts.
+# The FP8 block format (spec 3.3): a weight W [out, in] is stored as float8_e4m3fn W8 with one float32 scale
+# per 128x128 block, W = W8 * scale (weight_dequant); an activation is quantized per row in 1x128 groups with
+# power-of-two scales (act_quant). fp8_linear multiplies the two, which is exact in fp32: on the GPU one
+# block-scaled FP8 GEMM (fp8_gemm.py), here dequantize both and multiply in fp64.
 def pow2_ceil(x: torch.Tensor) -> torch.Tensor:
     """Smallest power of two >= x (x > 0 normal fp32), exactly, by the reference's exponent bit trick: a
     nonzero mantissa carries into the exponent, then the mantissa is cleared."""
@@ -315,7 +320,7 @@ class Embedding(nn.Module):
         return all_reduce(F.embedding(local.clamp(0, rows - 1), self.weight) * mine[..., None])
 
 
-_FREQS = {}  # f'_i on each device, by the config fields they depend on
+_FREQS = {}  # f'_i on each device, by the rope fields of the config
 
 
 def yarn_frequencies(cfg: Config):
@@ -392,14 +397,14 @@ def to_device(x: torch.Tensor, device) -> torch.Tensor:
 
 @dataclass
 class Meta:
-    """Everything a forward pass needs to know about its rows, built once per step and shared by every layer.
+    """Everything a forward pass needs to know about its rows, built once for it and shared by every layer.
     mode 'prefill': rows are chunks of prompts; 'decode': every row is a query of its own (a decode row, a
     verify row and its drafts, a draft step), with its own position and so its own causal length."""
 
     mode: str
     positions: torch.Tensor  # [T] absolute position of each row's token
     row_req: torch.Tensor  # [T] request (row of `table`) each row belongs to
-    table: torch.Tensor  # [B, W] KV-pool slot of every context position of each request (page size 1)
+    table: torch.Tensor  # [B, W >= N] KV-pool slot of every context position of each request (page size 1)
     cu_seqlens: list  # [B + 1] host: row offsets of each request
     max_ctx: int  # host: a bound on every row's causal length (the width the indexer scores)
     slots: torch.Tensor = None  # [T] slot each row's token is written to (default: its position's)
@@ -463,13 +468,13 @@ def store_index_key(k, norm_weight, norm_bias, eps, cos, sin, cache: LayerCache,
     cache.iks[slots] = ks[:, 0]
 
 
-def index_scores(q8, head_weights, k8, ks):
+def index_scores(q8, w, k8, ks):
     """I[t, n] = ks[n] * sum_h w[t, h] * relu(q8[t, h] . k8[n]), fp32 (the reference `fp8_index`). q8 [T,
     I, J] fp8; head_weights w [T, I] fp32 (the q scale folded in: head_weights); k8 [T or 1, N, J]; ks [T or
     1, N]."""
     acc = acc_dtype(q8)
     logits = torch.matmul(q8.to(acc), k8.to(acc).transpose(-1, -2))  # [T, I, N] fp8 products, exact sums
-    return ((logits.relu() * head_weights[..., None]).sum(1) * ks).float()  # [T, N] fp32
+    return ((logits.relu() * w[..., None]).sum(1) * ks).float()  # [T, N] fp32
 
 
 def topk_positions(scores, ctx_lens, topk):
@@ -569,8 +574,9 @@ def sparse_mla(q_abs, q_pe, cache: LayerCache, selected, meta: Meta, scale):
 
 
 def dense_attention(q, k, v, scale):
-    """Causal per-head attention of a prompt chunk (the reference of the dense prefill kernel): q [S, H, E]
-    the last S of N positions, k [N, H, E], v [N, H, V] -> [S, H, V]; row i sees keys 0 .. N - S + i."""
+    """Causal per-head attention of a prompt chunk (the reference of the dense prefill kernel): q [L, H, D +
+    R] the last L of N positions, k [N, H, D + R], v [N, H, V] -> [L, H, V]; row i sees keys 0 .. N - L +
+    i."""
     S, N = q.shape[0], k.shape[0]
     scores = torch.einsum("shd,nhd->hsn", q, k) * scale
     future = torch.arange(N, device=q.device) > torch.arange(S, device=q.device)[:, None] + (N - S)
@@ -578,8 +584,8 @@ def dense_attention(q, k, v, scale):
 
 
 def head_linear(x, w):
-    """One linear map per head (MLA's absorbed W_UK and W_UV): x [T, H, K], w [H, N, K] -> [T, H, N] in w's
-    dtype (the reference of the kernel's fixed-order GEMM)."""
+    """One linear map per head (MLA's absorbed W_UK and W_UV): x [T, H, n_in], w [H, n_out, n_in] -> [T, H,
+    n_out] in w's dtype (the reference of the kernel's fixed-order GEMM)."""
     return torch.einsum("thk,hnk->thn", x.to(w.dtype), w)
 
 
@@ -601,7 +607,7 @@ class MLA(nn.Module):
     def __init__(self, cfg: Config):
         super().__init__()
         self.cfg = cfg
-        H = cfg.n_heads  # split over ranks: q_b / kv_b rows and o_proj columns of this rank's heads
+        H = cfg.n_heads  # split over ranks: wq_b / wkv_b rows and wo columns of this rank's heads
         self.wq_a = Linear(cfg.dim, cfg.q_lora_rank)
         self.q_norm = RMSNorm(cfg.q_lora_rank, cfg.eps)
         self.wq_b = Linear(cfg.q_lora_rank, H * cfg.qk_head_dim, split="col")
@@ -852,9 +858,8 @@ class Transformer(nn.Module):
         self.embed = Embedding(cfg.vocab_size, cfg.dim)
         self.layers = nn.ModuleList(Block(cfg, moe=i >= cfg.n_dense_layers) for i in range(cfg.n_layers))
         self.norm = RMSNorm(cfg.dim, cfg.eps)
-        self.head = Linear(
-            cfg.dim, cfg.vocab_size, fp8=False, dtype=torch.float32, split="col"
-        )  # fp32, as [R]
+        # the lm_head in fp32, as the reference's
+        self.head = Linear(cfg.dim, cfg.vocab_size, fp8=False, dtype=torch.float32, split="col")
         self.mtp = nn.ModuleList(MTP(cfg) for _ in range(cfg.n_mtp_layers))
 
     def bind(self, ops):
@@ -1051,8 +1056,8 @@ def rank_slice(full, part):
 # ---- Loader: reads any DeepSeek-V3.2 checkpoint directory shard by shard, validating every tensor ----------
 def load_target(params, cfg: Config, hf_name: str):
     """The model tensor a checkpoint tensor is loaded into: its parameter, or for a routed expert its place in
-    this rank's stack (layers.3.ffn.experts.5.w1.weight -> layers.3.ffn.experts.w1.weight[5 - first]); None
-    for another rank's expert."""
+    this rank's stack (layers.3.ffn.experts.5.w1.weight -> layers.3.ffn.experts.w1.weight[5 - this rank's
+    first]); None for another rank's expert."""
     parts = hf_checkpoint.ours_name(cfg.n_layers, hf_name).split(".")
     if "experts" not in parts:
         return params[".".join(parts)]
@@ -1214,9 +1219,8 @@ class Sampling:
 
     @classmethod
     def of(cls, reqs, device):
-        values = torch.tensor([[r.seed, r.temperature, r.top_p] for r in reqs], dtype=torch.float64)
         seeds = to_device(torch.tensor([r.seed for r in reqs]), device)
-        rest = to_device(values[:, 1:].float(), device)
+        rest = to_device(torch.tensor([[r.temperature, r.top_p] for r in reqs]), device)
         return cls(seeds, rest[:, 0], rest[:, 1], any(r.temperature > 0 for r in reqs))
 
 
@@ -1274,9 +1278,7 @@ class Request:
     num_cached: int = 0  # positions whose main-model KV is in the pool; decode phase: len(tokens) - 1
     pages: list = field(default_factory=list)
     swapped: list = None  # its KV in host memory while preempted (PagePool.swap_out)
-    draft: torch.Tensor = (
-        None  # [k] draft tokens for its next verify, on the device, while it is not in a batch
-    )
+    draft: torch.Tensor = None  # [k] its next verify's drafts, on the device, while not in a batch
     q: torch.Tensor = None  # [k, V] their distributions (drafted in a sampling batch)
     return_logits: bool = False  # keep the main-model logits row of every emitted token in `logits`
     on_tokens: object = None  # called as on_tokens(idx, [token]) for every emitted token
@@ -1368,7 +1370,7 @@ class PagePool:
 
     def table(self, reqs):
         """[B, N] slot of every position of each request (the page size 1 view that the kernels read); the
-        last one made again while no pages changed (a decode round and its draft steps share one)."""
+        last one made again while no pages changed (consecutive rounds of a batch share one)."""
         key = (self.changes, [id(r) for r in reqs])
         if self.last_table[0] == key:
             return self.last_table[1]
@@ -1491,8 +1493,8 @@ class Batch:
 
     tokens: torch.Tensor  # [B, k+1] x_L (the last token), then the drafts d_1..d_k
     start: torch.Tensor  # [B] L: the position of x_L (its KV and the drafts' are written this round)
-    q: torch.Tensor  # [B, k, V] the drafts' distributions (None: a greedy batch, or k = 0)
-    table: torch.Tensor  # [B, W] page-table rows
+    q: torch.Tensor  # [B, k, vocab] the drafts' distributions (None: a greedy batch, or k = 0)
+    table: torch.Tensor  # [B, W] page-table rows (W: a bound on every context)
     live: torch.Tensor  # [B] 1 for a request, 0 for a CUDA graph's padding row (which stays at position 0)
     sp: Sampling
     max_ctx: int  # host: a bound on the round's causal lengths
@@ -1542,8 +1544,8 @@ def draft(model, cache, h, logits, start, batch, k):
     """k draft tokens per request, on the device: d_1 from the MTP logits of the row just run at position
     start - 1 (its hidden state h [B, dim]), then k-1 MTP decode steps at positions start, start + 1, ...,
     each fed the draft before, their Meta made here from those positions. start [B]: the position of each
-    request's last token x_L; batch: its table, sampling and context bound. -> (drafts [B, k], their
-    distributions q [B, k, V], None for a greedy batch)."""
+    request's last emitted token (the next round's x_L); batch: its table, sampling and context bound. ->
+    (drafts [B, k], their distributions q [B, k, vocab], None for a greedy batch)."""
     B = len(start)
     rows = torch.arange(B, device=start.device)
     tokens, dists = [], []
@@ -1646,9 +1648,8 @@ class Runner:
             self.settle()
             self.batch = self.new_batch(reqs)
         table = self.pool.table(reqs)  # (with the pages reserved since the last round)
-        bound = max(r.num_cached for r in reqs) + round_lookahead(
-            self.num_draft
-        )  # (the host is a round behind)
+        # a bound on the round's contexts (the host is a round behind)
+        bound = max(r.num_cached for r in reqs) + round_lookahead(self.num_draft)
         if self.graphs:
             self.batch, (settled, logits) = self.graphs.run(self.batch, len(reqs), table, bound)
         else:
@@ -1656,9 +1657,9 @@ class Runner:
             settled, logits = speculative_round(self.model, self.cache, self.batch)
         if any(r.return_logits for r in reqs):  # (a CUDA graph's next replay overwrites them)
             logits = logits.clone()
-        previous, self.launched = (self.launched if same else None), (reqs, start_read_back(settled), logits)
+        previous, self.launched = self.launched, (reqs, start_read_back(settled), logits)  # (settle: None)
         if previous:
-            self.accept(*previous)
+            self.apply(*previous)
 
     def new_batch(self, reqs):
         """A round's inputs from the host's state: each request's last token, position and drafts (its table
@@ -1682,14 +1683,14 @@ class Runner:
         if self.launched is None:
             return
         reqs = self.launched[0]
-        self.accept(*self.launched)
+        self.apply(*self.launched)
         self.launched = None
         sampled = self.batch.sp.sampling and self.num_draft
         for b, r in enumerate(reqs):
             r.draft = self.batch.tokens[b, 1:].clone()
             r.q = self.batch.q[b].clone() if sampled else None
 
-    def accept(self, reqs, read_back, logits):
+    def apply(self, reqs, read_back, logits):
         """Apply a launched round to its requests (its one read-back): each emits its accepted tokens."""
         for b, (r, row) in enumerate(zip(reqs, read_back(), strict=False)):  # (a graph's padding rows last)
             if r.finish is not None:  # it finished the round before (this round was in flight)
@@ -1703,9 +1704,9 @@ class Runner:
 
 # ---- CUDA graphs: the speculative round captured per batch-size bucket -------------------------------------
 def graph_buckets(max_bs, rows_per_req, tp=1):
-    """Batch sizes captured for rows_per_req rows per request: 1, 2, 4, 8, then every 16 up to the first >=
-    max_bs, those whose rows split evenly over tp ranks (SGLang's rule: at TP 8, bs=1 with 4 rows pads to
-    bs=2, not 8)."""
+    """Batch sizes captured for rows_per_req rows per request: 1, 2, 4, 8, then every 16 below max_bs, and
+    max_bs itself, those whose rows split evenly over tp ranks (max_bs rounded up to such a size; SGLang's
+    rule: at TP 8, bs=1 with 4 rows pads to bs=2, not 8)."""
     step = tp // math.gcd(tp, rows_per_req)  # bs must be a multiple of this
     top = -(-max_bs // step) * step
     return [b for b in sorted({1, 2, 4, 8, *range(16, top, 16), top}) if b <= top and b % step == 0]
@@ -1721,16 +1722,16 @@ class CudaGraphs:
     def __init__(self, model: Transformer, cache: KVCache, num_draft, max_batch, max_context, page_size):
         self.model, self.cache = model, cache
         self.buckets = graph_buckets(max_batch, num_draft + 1, tp_size())
-        bs, zeros = self.buckets[-1], partial(torch.zeros, dtype=torch.long, device=cache.latent.device)
-        context = (
-            max_context + round_lookahead(num_draft) + 1
-        )  # the furthest position a round writes, and one
+        bs, zeros = (
+            self.buckets[-1],
+            functools.partial(torch.zeros, dtype=torch.long, device=cache.latent.device),
+        )
+        context = max_context + round_lookahead(num_draft) + 1  # the furthest position a round writes, +1
         self.max_width = -(-context // page_size) * page_size
         sp = Sampling(zeros(bs), zeros(bs).float(), zeros(bs).float() + 1, False)
         table = zeros(bs, self.max_width)
-        self.static = Batch(
-            zeros(bs, num_draft + 1), zeros(bs), None, table, zeros(bs), sp, 0
-        )  # (q: at need)
+        # the static inputs of every graph (q, the drafts' distributions: made for the first sampling batch)
+        self.static = Batch(zeros(bs, num_draft + 1), zeros(bs), None, table, zeros(bs), sp, 0)
         self.graphs = {}
         self.pool = None  # one memory pool for all of them
 
