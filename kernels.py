@@ -775,22 +775,37 @@ def _mix32(x):
 
 
 @triton.jit
+def _row_key(seed_ptr, pos_ptr, r, stream):
+    """Row r's key: nano_nsa.uniform's hash of its seed, its position and the stream."""
+    seed = tl.load(seed_ptr + r)
+    key = _mix32(_mix32(_mix32(seed & 0xFFFFFFFF) ^ (seed >> 32)) ^ tl.load(pos_ptr + r))
+    return _mix32(key ^ stream)
+
+
+@triton.jit
+def _uniform_block(key, cols):
+    """The uniform numbers of a row's columns cols, from its key (24 bits: exact in fp32, never 0 or 1)."""
+    return ((_mix32(_mix32(key ^ cols.to(tl.int64))) >> 8).to(tl.float32) + 0.5) / 16777216.0
+
+
+@triton.jit
 def _uniform_kernel(seed_ptr, pos_ptr, out_ptr, n, stream, BLOCK: tl.constexpr):
     """One row (a seed and a position) per program's first axis, BLOCK columns per its second."""
     r = tl.program_id(0)
-    seed = tl.load(seed_ptr + r)
-    key = _mix32(_mix32(_mix32(seed & 0xFFFFFFFF) ^ (seed >> 32)) ^ tl.load(pos_ptr + r))
-    key = _mix32(key ^ stream)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-    bits = _mix32(_mix32(key ^ cols.to(tl.int64)))
-    tl.store(out_ptr + r * n + cols, ((bits >> 8).to(tl.float32) + 0.5) / 16777216.0, mask=cols < n)
+    u = _uniform_block(_row_key(seed_ptr, pos_ptr, r, stream), cols)
+    tl.store(out_ptr + r * n + cols, u, mask=cols < n)
+
+
+def _seeded_rows(seeds, positions):
+    """(seeds, positions) broadcast together and flattened to one per row, and the rows' shape."""
+    seeds, positions = torch.broadcast_tensors(seeds, positions)
+    return seeds.reshape(-1).contiguous(), positions.reshape(-1).contiguous(), positions.shape
 
 
 def uniform(seeds, positions, stream, n):
     """Kernel of nano_nsa.uniform, bit for bit: one launch instead of some twenty elementwise ones."""
-    seeds, positions = torch.broadcast_tensors(seeds, positions)
-    shape = positions.shape
-    seeds, positions = seeds.reshape(-1).contiguous(), positions.reshape(-1).contiguous()
+    seeds, positions, shape = _seeded_rows(seeds, positions)
     out = torch.empty(len(positions), n, dtype=torch.float32, device=positions.device)
     BLOCK = min(1024, triton.next_power_of_2(n))
     if len(positions):
@@ -805,16 +820,13 @@ def _sample_kernel(p_ptr, seed_ptr, pos_ptr, out_ptr, V: tl.constexpr, stream, B
     """One row per program: its uniform numbers as _uniform_kernel makes them, E = -log u, and the first
     argmax of p / E over the row's blocks."""
     r = tl.program_id(0)
-    seed = tl.load(seed_ptr + r)
-    key = _mix32(_mix32(_mix32(seed & 0xFFFFFFFF) ^ (seed >> 32)) ^ tl.load(pos_ptr + r))
-    key = _mix32(key ^ stream)
+    key = _row_key(seed_ptr, pos_ptr, r, stream)
     best = tl.zeros([], tl.float32) - 1.0
     first = tl.zeros([], tl.int32)
     for start in range(0, V, BLOCK):
         cols = start + tl.arange(0, BLOCK)
-        u = ((_mix32(_mix32(key ^ cols.to(tl.int64))) >> 8).to(tl.float32) + 0.5) / 16777216.0
         p = tl.load(p_ptr + r.to(tl.int64) * V + cols, mask=cols < V, other=-1.0)
-        race = tl.where(cols < V, p / -tl.log(u), -1.0)
+        race = tl.where(cols < V, p / -tl.log(_uniform_block(key, cols)), -1.0)
         top = tl.max(race, 0)
         first = tl.where(top > best, start + tl.argmax(race, 0), first)
         best = tl.maximum(best, top)
@@ -825,14 +837,14 @@ def sample(probs, seeds, positions, stream):
     """Kernel of nano_nsa.sample: the numbers, the race and its argmax in one launch per call (the reference's
     seven). (Its log may round the last bit otherwise than torch's: a tie in p / E could then go another
     way.)"""
-    seeds, positions = torch.broadcast_tensors(seeds, positions)
-    shape = positions.shape
+    seeds, positions, shape = _seeded_rows(seeds, positions)
     p = probs.reshape(-1, probs.shape[-1]).float().contiguous()
     out = torch.empty(len(p), dtype=torch.long, device=p.device)
     V = p.shape[1]
     if len(p):
-        args = (seeds.reshape(-1).contiguous(), positions.reshape(-1).contiguous(), out, V, stream)
-        _sample_kernel[(len(p),)](p, *args, BLOCK=min(1024, triton.next_power_of_2(V)))
+        _sample_kernel[(len(p),)](
+            p, seeds, positions, out, V, stream, BLOCK=min(1024, triton.next_power_of_2(V))
+        )
     return out.view(shape)
 
 

@@ -1722,10 +1722,8 @@ class CudaGraphs:
     def __init__(self, model: Transformer, cache: KVCache, num_draft, max_batch, max_context, page_size):
         self.model, self.cache = model, cache
         self.buckets = graph_buckets(max_batch, num_draft + 1, tp_size())
-        bs, zeros = (
-            self.buckets[-1],
-            functools.partial(torch.zeros, dtype=torch.long, device=cache.latent.device),
-        )
+        bs = self.buckets[-1]
+        zeros = functools.partial(torch.zeros, dtype=torch.long, device=cache.latent.device)
         context = max_context + round_lookahead(num_draft) + 1  # the furthest position a round writes, +1
         self.max_width = -(-context // page_size) * page_size
         sp = Sampling(zeros(bs), zeros(bs).float(), zeros(bs).float() + 1, False)
@@ -1932,9 +1930,7 @@ class LLM:
         if seed is None:  # a fresh seed, the same on every rank
             fresh = torch.tensor([int.from_bytes(os.urandom(6), "little")], device=self.device)
             seed = int(all_reduce(fresh, dist.ReduceOp.MAX))
-        seeds = checks.per_prompt("seed", seed, len(prompts))
-        if not isinstance(seed, (list, tuple)):
-            seeds = [seed + i for i in range(len(prompts))]
+        seeds = seed if isinstance(seed, (list, tuple)) else [seed + i for i in range(len(prompts))]
         budgets = checks.per_prompt("max_new_tokens", max_new_tokens, len(prompts))
         room = (self.cfg.vocab_size, self.max_context, self.pool.free_slots, round_lookahead(self.num_draft))
         reqs = []
