@@ -105,20 +105,20 @@ def decode_batch(llm, bs, ctx, rounds, seed=0):
 
 
 def release(llm, reqs):
-    """Accept the round in flight (the runner keeps one), then give the requests' pages back."""
-    llm.runner.settle()
+    """Accept the round in flight (the engine keeps one), then give the requests' pages back."""
+    llm.settle()
     for r in reqs:
         llm.pool.release(r)
 
 
 def time_rounds(llm, bs, ctx, rounds=12):
     """Wall-clock ms per decode round and tokens emitted per round. Each call launches a round, then accepts
-    the one before (its one read-back): the runner keeps one in flight."""
+    the one before (its one read-back): the engine keeps one in flight."""
     reqs = decode_batch(llm, bs, ctx, rounds + 2)
     for _ in range(2):  # warm-up (captures this batch's and context bound's round graph)
-        llm.runner.decode(reqs)
+        llm.decode(reqs)
     n0 = sum(len(r.tokens) for r in reqs)
-    ms = host_time(lambda: llm.runner.decode(reqs), rounds, warmup=0)
+    ms = host_time(lambda: llm.decode(reqs), rounds, warmup=0)
     tokens = sum(len(r.tokens) for r in reqs) - n0
     release(llm, reqs)
     return ms, tokens / rounds
@@ -215,7 +215,7 @@ def round_profile(llm, ctx, round_ms, verify_replay):
     """Kernels of one whole bs=1 decode round (its graph's replay and the engine's own work), per main-model
     layer (bench's verify graph), and the GPU's idle fraction: 1 - the time some kernel runs / round time."""
     reqs = decode_batch(llm, 1, ctx, 4)
-    launches = kernel_events(lambda: llm.runner.decode(reqs), totals=False)
+    launches = kernel_events(lambda: llm.decode(reqs), totals=False)
     release(llm, reqs)
     verify = kernel_events(verify_replay)
     busy = busy_ms(launches)
@@ -343,9 +343,9 @@ def decode_mtp(args, model, tok_dir, k, points, bw, extra):
             extra[f"profile_mtp{k}"] = profile_replay(replay, model.cfg.n_layers)
             extra[f"round_mtp{k}"] = round_profile(llm, ctx, row["round_ms"], replay)
     graphs = llm.graphs
-    llm.runner.graphs = None  # CUDA graphs vs eager, bs=1 at the first context
+    llm.graphs = None  # CUDA graphs vs eager, bs=1 at the first context
     eager_ms, _ = time_rounds(llm, 1, args.contexts[0], rounds=4)
-    llm.runner.graphs = graphs
+    llm.graphs = graphs
     versus = dict(eager_ms=eager_ms, graphs_ms=rows[0]["round_ms"], setup_s=t_setup, capture_s=sum(captures))
     extra[f"eager_vs_graphs_mtp{k}"] = dict(versus, graphs=len(graphs.graphs))
     if k == max(args.mtp):

@@ -58,6 +58,23 @@ def check_engine_args(args):
             check_arg(name, args[name], int, low)
 
 
+def gpu_kernels_wanted(kernels, device):
+    """Whether to bind kernels.py's GPU ops: kernels 'torch' never, 'gpu' always (an error where they cannot
+    run), 'auto' on a GPU that supports them."""
+    require(
+        kernels in ("auto", "torch", "gpu"), f"kernels must be 'auto', 'torch' or 'gpu' (got {kernels!r})"
+    )
+    on_gpu = torch.device(device).type == "cuda"
+    if kernels == "torch" or (kernels == "auto" and not on_gpu):
+        return False
+    require(on_gpu, f"kernels='gpu' needs a CUDA device (got {device})")
+    import kernels as gpu_kernels  # Triton + flashinfer: imported only on the GPU path
+
+    why = gpu_kernels.unsupported(torch.device(device))
+    require(not why or kernels != "gpu", f"the GPU kernels cannot run here: {why}")
+    return not why
+
+
 def check_device(device):
     """The torch device for a user's `device` value (None: a GPU if there is one)."""
     try:

@@ -5,6 +5,7 @@ type and range), the safetensors index and every shard's header against the tabl
 Config calls `config_fields` and `check_config`; tools/checkpoint.py writes checkpoints from the same table.
 """
 
+import dataclasses
 import json
 import math
 import os
@@ -76,6 +77,26 @@ def config_fields(path, names):
     rope = hf.get("rope_scaling") or {}
     kw.update({ours: rope[k] for k, ours in ROPE_NAMES.items() if k in rope})
     return path, kw
+
+
+def read_config(config_class, path):
+    """config_class (nano_nsa.Config) from an HF DeepSeek-V3.2 config.json (a file or the directory holding
+    it); its checks' refusals name the file."""
+    path, kw = config_fields(path, {f.name for f in dataclasses.fields(config_class)})
+    try:
+        return config_class(**kw)
+    except ValueError as e:
+        raise ValueError(f"{path}: invalid DeepSeek-V3.2 config: {e}") from None
+
+
+def open_checkpoint(path, config_class):
+    """The config of a checkpoint directory, after checking config.json, each shard's header, then every
+    tensor's presence, shape and dtype against the official checkpoint's table: no weights read."""
+    is_dir = isinstance(path, (str, os.PathLike)) and os.path.isdir(path)
+    require(is_dir, f"model directory {path!r} does not exist (or is not a directory)")
+    cfg = config_class.from_json(path)
+    check_tensors(path, cfg)
+    return cfg
 
 
 def check_hf(path, hf):

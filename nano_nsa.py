@@ -5,11 +5,11 @@ RoPE, Hadamard) -> forward metadata -> the lightning indexer -> MLA -> MoE -> Bl
 KV cache -> the kernel boundary -> tensor parallelism -> the loader. It computes what DeepSeek's official
 `inference/model.py` computes (../shared/docs/dsv32_spec.md is the specification); where it deliberately
 differs, a comment says why. Part 2 is the engine: chat encoding -> sampling and speculative acceptance ->
-requests -> the KV page pool -> the scheduler -> the speculative round (verify, accept, draft-extend,
-draft) -> the runner -> CUDA graphs -> `LLM.generate` -> `main`. What a reader can skip lives beside this
-file: the checkpoint format and its checks (hf_checkpoint.py), the checks of user arguments (checks.py), the
-command line (cli.py), and the GPU kernels behind the same names as the references here (kernels.py, with
-the FP8 GEMM family in fp8_gemm.py).
+requests -> the KV page pool -> the scheduler -> the speculative round (verify, accept, draft-extend, draft)
+-> CUDA graphs -> `LLM`: generate, its steps (prefill, decode round) -> `main`. What a reader can skip lives
+beside this file: the checkpoint format and its checks (hf_checkpoint.py), the checks of user arguments
+(checks.py), the command line (cli.py), and the GPU kernels behind the same names as the references here
+(kernels.py, with the FP8 GEMM family in fp8_gemm.py).
 
 Dimension legend used in shape comments:
   T tokens (rows) in the forward pass   B requests in the batch   N context positions of a request
@@ -113,16 +113,7 @@ class Config:
     @classmethod
     def from_json(cls, path):
         """Build from an HF DeepSeek-V3.2 `config.json` (a file or the directory holding it)."""
-        path, kw = hf_checkpoint.config_fields(path, {f.name for f in fields(cls)})
-        try:
-            return cls(**kw)
-        except ValueError as e:
-            raise ValueError(f"{path}: invalid DeepSeek-V3.2 config: {e}") from None
-
-    def check_tp(self, n):
-        """Refuse a tensor-parallel size n that would split a head, an expert or the vocabulary unevenly, or
-        cut a 128x128 FP8 block across ranks."""
-        hf_checkpoint.check_tp(self, n)
+        return hf_checkpoint.read_config(cls, path)
 
 
 TINY = dict(vocab_size=288, dim=256, inter_dim=512, moe_inter_dim=128, n_layers=3, n_dense_layers=1)
@@ -180,9 +171,7 @@ def acc_dtype(x: torch.Tensor):
     """Accumulation dtype of matmuls: fp32 as the reference on GPU. On CPU fp64, the exact limit of any
     fp32 summation order: results then do not depend on batch shape, so engine modes can be compared token
     for token."""
-    if x.device.type == "cpu":
-        return torch.float64
-    return torch.float32
+    return torch.float64 if x.device.type == "cpu" else torch.float32
 
 
 def fp8_linear(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, partial=False) -> torch.Tensor:
@@ -853,7 +842,7 @@ class Transformer(nn.Module):
 
     def __init__(self, cfg: Config):
         super().__init__()
-        cfg.check_tp(tp_size())
+        hf_checkpoint.check_tp(cfg, tp_size())  # no head, expert or FP8 block split unevenly
         self.cfg = cfg
         self.embed = Embedding(cfg.vocab_size, cfg.dim)
         self.layers = nn.ModuleList(Block(cfg, moe=i >= cfg.n_dense_layers) for i in range(cfg.n_layers))
@@ -975,19 +964,10 @@ TORCH_OPS = SimpleNamespace(
 def select_ops(kernels, device):
     """The kernel set for a device: 'torch' the references; 'gpu' kernels.py (an error where it cannot run);
     'auto' kernels.py on a GPU that supports it, else the references."""
-    require(
-        kernels in ("auto", "torch", "gpu"), f"kernels must be 'auto', 'torch' or 'gpu' (got {kernels!r})"
-    )
-    on_gpu = torch.device(device).type == "cuda"
-    if kernels == "torch" or (kernels == "auto" and not on_gpu):
+    if not checks.gpu_kernels_wanted(kernels, device):
         return TORCH_OPS
-    require(on_gpu, f"kernels='gpu' needs a CUDA device (got {device})")
     import kernels as gpu_kernels  # Triton + flashinfer: imported only on the GPU path
 
-    why = gpu_kernels.unsupported(torch.device(device))
-    require(not why or kernels != "gpu", f"the GPU kernels cannot run here: {why}")
-    if why:
-        return TORCH_OPS
     return gpu_kernels.GPU_OPS
 
 
@@ -1069,26 +1049,15 @@ def load_target(params, cfg: Config, hf_name: str):
     return params[".".join(parts)][index]
 
 
-def open_checkpoint(path) -> Config:
-    """The config of a checkpoint directory, after checking config.json, each shard's header, then every
-    tensor's presence, shape and dtype against the official checkpoint's table (hf_checkpoint): no weights
-    read."""
-    is_dir = isinstance(path, (str, os.PathLike)) and os.path.isdir(path)
-    require(is_dir, f"model directory {path!r} does not exist (or is not a directory)")
-    cfg = Config.from_json(path)
-    hf_checkpoint.check_tensors(path, cfg)
-    return cfg
-
-
 def load_model(path, device="cpu", kernels="auto", cfg=None) -> Transformer:
-    """Load a DeepSeek-V3.2 HF checkpoint directory (cfg: open_checkpoint(path), if the caller has it). FP8
+    """Load a DeepSeek-V3.2 HF checkpoint directory (cfg: its config, if the caller has opened it). FP8
     weights stay FP8; norms, router bias, weights_proj and the heads are upcast to fp32 one tensor at a
     time, as the reference does; a tensor holding nan or inf is refused by name. Under torchrun a rank
     reads only its share."""
     from safetensors import safe_open
     from tqdm import tqdm
 
-    cfg = cfg or open_checkpoint(path)
+    cfg = cfg or hf_checkpoint.open_checkpoint(path, Config)
     with torch.device("meta"):  # the layers' shapes only: no memory touched twice
         model = Transformer(cfg).to_empty(device=device).eval()
     params = dict(model.named_parameters())
@@ -1387,7 +1356,7 @@ class PagePool:
 # ---- The scheduler: admission, chunked prefill, preemption -------------------------------------------------
 def round_lookahead(num_draft):
     """KV positions a decode round may write past a request's num_cached L as the host knows it, with k =
-    num_draft. The host keeps one round in flight (Runner.decode), which moves L by up to k+1 before the host
+    num_draft. The host keeps one round in flight (LLM.decode), which moves L by up to k+1 before the host
     learns it; then verify writes L'..L'+k, accepting moves L' to at most L'+k+1, and the k-1 draft steps
     write up to L'+2k-1. Reserved: (k+1) + 2k+1 (k = 0: the round in flight and one decode row)."""
     return 3 * num_draft + 2
@@ -1410,12 +1379,6 @@ class Scheduler:
         self.waiting = []
         self.running = []
         self.preemptions = 0
-
-    def add(self, reqs):
-        self.waiting += reqs
-
-    def has_work(self):
-        return bool(self.waiting or self.running)
 
     def schedule(self):
         """-> ("prefill", [(request, first position, length)]) or ("decode", [requests with pages for a
@@ -1581,25 +1544,217 @@ def start_read_back(x):
     return wait
 
 
-# ---- The runner: a prefill step, or a speculative round of every running request ---------------------------
-class Runner:
-    """Runs the scheduler's steps. A prefill step runs the main model over prompt chunks, then the MTP layer
-    over the same rows, and a request whose prompt is done draws its first token and drafts. A decode round
-    is speculative_round over every running request (from a CUDA graph where the engine has them), read back
-    once. While the batch stays the same the host launches round n+1 from the inputs round n left on the
-    device before it reads round n back, and accepts round n while the GPU runs round n+1. A request that
-    finishes drafts on for that round, into its own pages."""
+# ---- CUDA graphs: the speculative round captured per batch-size bucket -------------------------------------
+def graph_buckets(max_bs, rows_per_req, tp=1):
+    """Batch sizes captured for rows_per_req rows per request: 1, 2, 4, 8, then every 16 below max_bs, and
+    max_bs itself, those whose rows split evenly over tp ranks (max_bs rounded up to such a size; SGLang's
+    rule: at TP 8, bs=1 with 4 rows pads to bs=2, not 8)."""
+    step = tp // math.gcd(tp, rows_per_req)  # bs must be a multiple of this
+    top = -(-max_bs // step) * step
+    return [b for b in sorted({1, 2, 4, 8, *range(16, top, 16), top}) if b <= top and b % step == 0]
 
-    def __init__(self, model: Transformer, cache: KVCache, pool: PagePool, num_draft, graphs=None):
-        self.model = model
-        self.cfg = model.cfg
-        self.cache = cache
-        self.pool = pool
-        self.num_draft = num_draft
-        self.graphs = graphs
-        self.device = cache.latent.device
+
+class CudaGraphs:
+    """speculative_round as CUDA graphs, one per batch-size bucket, context bound (the indexer's width is a
+    shape: index_topk, else the next power of two) and kind of batch (greedy, or sampling: its distributions
+    are work of their own), each captured when a batch first needs it. A replay reads the round's inputs
+    from one set of static buffers and leaves the next round's there; padding rows sit at position 0 of
+    page-table rows of zeros, so they write the dummy slot 0."""
+
+    def __init__(self, model: Transformer, cache: KVCache, num_draft, max_batch, max_context, page_size):
+        self.model, self.cache = model, cache
+        self.buckets = graph_buckets(max_batch, num_draft + 1, tp_size())
+        bs = self.buckets[-1]
+        zeros = functools.partial(torch.zeros, dtype=torch.long, device=cache.latent.device)
+        context = max_context + round_lookahead(num_draft) + 1  # the furthest position a round writes, +1
+        self.max_width = -(-context // page_size) * page_size
+        sp = Sampling(zeros(bs), zeros(bs).float(), zeros(bs).float() + 1, False)
+        table = zeros(bs, self.max_width)
+        q = torch.zeros(bs, num_draft, model.cfg.vocab_size, device=table.device) if num_draft else None
+        self.static = Batch(zeros(bs, num_draft + 1), zeros(bs), q, table, zeros(bs), sp, 0)  # every graph's
+        self.graphs = {}
+        self.pool = None  # one memory pool for all of them
+
+    def width(self, max_ctx):
+        """The context bound a round runs under: index_topk, or the next power of two (the indexer's
+        width)."""
+        topk = self.model.cfg.index_topk
+        if max_ctx <= topk:
+            return topk
+        return min(1 << (max_ctx - 1).bit_length(), self.max_width)
+
+    def run(self, batch: Batch, B, table, max_ctx):
+        """Replay the round for the B requests of `batch` (the host's inputs, or the static ones the last
+        replay left), with their page table and a bound on their contexts -> (the static inputs, which hold
+        the next round's after the replay, the round's outputs; rows past B are padding)."""
+        s = self.static
+        bs = next(b for b in self.buckets if b >= B)
+        key = (bs, self.width(max_ctx), batch.sp.sampling)
+        if batch is not s:  # inputs from the host: copied in, padded (top_p 1: a distribution to sample)
+            for mine, theirs in zip(s.tensors(), batch.tensors(), strict=True):
+                if theirs is not None:
+                    mine[:B], mine[B:bs] = theirs, 0
+            s.sp.top_p[B:bs], s.sp.sampling = 1, batch.sp.sampling
+        s.table[:B, : table.shape[1]] = table
+        if B < bs:
+            s.table[B:bs, : key[1]] = 0  # (so every position of a padding row is the dummy slot)
+        if key not in self.graphs:
+            self.capture(key)
+        graph, out = self.graphs[key]
+        graph.replay()
+        return s, out
+
+    def capture(self, key):
+        """Capture the round for (bucket, context bound, sampling), after a warm-up that builds its kernels,
+        on inputs every row of which writes the dummy slot 0; the static inputs are kept as they were."""
+        t0 = time.perf_counter()
+        (bs, width, sampling), s = key, self.static
+        kept = [(t, t.clone()) for t in s.tensors() + [s.table] if t is not None]
+        for t, _ in kept:
+            t.zero_()
+        q = s.q[:bs] if sampling and s.q is not None else None  # (k = 0: no drafts)
+        sp = Sampling(s.sp.seeds[:bs], s.sp.temperature[:bs], s.sp.top_p[:bs], sampling)
+        batch = Batch(s.tokens[:bs], s.start[:bs], q, s.table[:bs, :width], s.live[:bs], sp, width)
+        speculative_round(self.model, self.cache, batch)  # warm-up: compiles and autotunes kernels
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        gc.disable()  # an old engine's graphs, freed by the collector during a capture, would break it
+        try:
+            with torch.cuda.graph(graph, self.pool):
+                out = speculative_round(self.model, self.cache, batch)
+        finally:
+            gc.enable()
+        for t, saved in kept:
+            t.copy_(saved)
+        self.pool = self.pool or graph.pool()
+        self.graphs[key] = (graph, out)
+        took = f"{time.perf_counter() - t0:.2f} s"
+        kind = "sampling" if sampling else "greedy"
+        print(
+            f"nano-nsa: captured the {kind} round for bs {bs}, contexts <= {width} in {took}", file=sys.stderr
+        )
+
+
+# ---- LLM: the engine, tying the parts together -------------------------------------------------------------
+class LLM:
+    """DeepSeek-V3.2 engine: generate() admits requests, then runs steps until every request is done. A
+    step asks the scheduler what to run, runs it, and retires what finished. A prefill step runs the main
+    model over prompt chunks, then the MTP layer over the same rows, and a request whose prompt is done draws
+    its first token and drafts. A decode round is speculative_round over every running request (from a CUDA
+    graph where the engine has them), read back once. While the batch stays the same the host launches round
+    n+1 from the inputs round n left on the device before it reads round n back, and accepts round n while
+    the GPU runs round n+1. A request that finishes drafts on for that round, into its own pages."""
+
+    def __init__(
+        self,
+        model_dir=None,
+        device=None,
+        mtp=1,
+        kv_cache_bytes=None,
+        page_size=16,
+        max_batch=64,
+        max_prefill_tokens=1024,
+        max_context=None,
+        kernels="auto",
+        model=None,
+        cuda_graphs=True,
+    ):
+        """mtp: draft tokens per round (0: no speculative decoding). kv_cache_bytes: the KV pool (default:
+        CPU 256 MiB, GPU 80% of the free memory). model: a Transformer built already (bench.py), else
+        loaded from model_dir. The arguments are checked first (checks.py), the model files before any
+        weight is read (hf_checkpoint.py)."""
+        checks.check_engine_args(locals())
+        self.device = init_distributed(checks.check_device(device))  # torchrun: join the ranks, take a GPU
+        model_dir = model_dir or hf_checkpoint.default_model_dir()
+        self.cfg = model.cfg if model else hf_checkpoint.open_checkpoint(model_dir, Config)  # no weights read
+        if model is None:  # before any allocation
+            checks.check_fits(self.cfg, self.device, Transformer, KVCache.bytes_per_token(self.cfg))
+        self.tokenizer = load_tokenizer(model_dir, self.cfg)
+        require(mtp == 0 or self.cfg.n_mtp_layers > 0, f"mtp={mtp}: needs a checkpoint with an MTP layer")
+        page_bytes = KVCache.bytes_per_token(self.cfg) * page_size
+        checks.check_pool_bytes(kv_cache_bytes, page_bytes, self.device)
+        self.model = model or load_model(model_dir, self.device, kernels, self.cfg)
+        self.num_draft = mtp
+        self.max_context = min(max_context or self.cfg.max_seq_len, self.cfg.max_seq_len)
+        num_pages = self.pool_pages(kv_cache_bytes, page_bytes)
+        self.cache = KVCache(self.cfg, num_pages * page_size, self.device)
+        self.pool = PagePool(self.cache, page_size)
+        self.scheduler = Scheduler(self.pool, max_batch, max_prefill_tokens, mtp, self.cfg.index_topk)
+        self.graphs = None  # the torch references sync the host: no graphs for them
+        if cuda_graphs and self.device.type == "cuda" and self.model.ops is not TORCH_OPS:
+            self.graphs = CudaGraphs(self.model, self.cache, mtp, max_batch, self.max_context, page_size)
         self.batch = None  # the last round's Batch: the next round's inputs
-        self.launched = None  # (requests, read back) of the round launched and not accepted yet
+        self.launched = None  # (requests, read back, logits) of the round launched and not applied yet
+        self.stats = {}
+        if self.device.type == "cuda":
+            self.warm_up()
+
+    def warm_up(self):
+        """Build the GPU kernels (Triton compiles them at first use: seconds on a fresh machine) and the
+        greedy round's graphs of one and two requests before any generate the caller times, and say how long
+        it took."""
+        t0 = time.perf_counter()
+        for lengths in ((5, 16), (16,)):
+            self.generate([[self.cfg.bos_token_id] * n for n in lengths], max_new_tokens=2)
+        where = f"{torch.cuda.get_device_name(self.device)}, kernels: {self.model.ops.name}"
+        if tp_rank() == 0:
+            print(f"nano-nsa: {where}; built them in {time.perf_counter() - t0:.1f} s", file=sys.stderr)
+
+    def pool_pages(self, kv_cache_bytes, page_bytes):
+        """Pages of the KV pool: kv_cache_bytes, or CPU 256 MiB, GPU 80% of what is free; the smallest over
+        ranks (one schedule for all)."""
+        if kv_cache_bytes is None and self.device.type == "cuda":
+            kv_cache_bytes = int(torch.cuda.mem_get_info(self.device)[0] * 0.8)
+        elif kv_cache_bytes is None:
+            kv_cache_bytes = 256 << 20
+        pages = torch.tensor([kv_cache_bytes // page_bytes], device=self.device)
+        return int(all_reduce(pages, dist.ReduceOp.MIN))
+
+    def generate(
+        self,
+        prompts,
+        max_new_tokens=256,
+        temperature=0.0,
+        top_p=1.0,
+        seed=None,
+        return_logits=False,
+        thinking=False,
+        raw=False,
+        on_tokens=None,
+    ):
+        """prompts: strings (chat-encoded as a user turn; raw=True: plain completion) or lists of token
+        ids. max_new_tokens and seed: one value for every prompt or a list of one per prompt (one seed s:
+        prompt i draws with seed s + i; None: a fresh one)."""
+        prompts = checks.check_generate_args(prompts, dict(locals()), on_tokens)
+        if not prompts:
+            return []
+        reqs = self.make_requests(prompts, max_new_tokens, temperature, top_p, seed, thinking, raw)
+        for r in reqs:
+            r.return_logits, r.on_tokens = return_logits, on_tokens
+        t0 = time.perf_counter()
+        self.scheduler.waiting += reqs
+        self.scheduler.preemptions = 0
+        rounds = 0
+        try:
+            while self.scheduler.waiting or self.scheduler.running:
+                rounds += self.step() == "decode"
+            self.settle()  # a round launched after its requests finished: nothing to emit
+        except BaseException:  # interrupted (Ctrl-C, an on_tokens that raised): no request is left behind
+            self.launched = None
+            self.scheduler.drop_all()
+            raise
+        self.stats = self.summary(reqs, time.perf_counter() - t0, rounds)
+        return [self.result(r, return_logits) for r in reqs]
+
+    def step(self):
+        """One engine step: schedule -> run -> retire. Returns what ran ("prefill" or "decode")."""
+        mode, batch = self.scheduler.schedule()
+        if mode == "prefill":
+            self.prefill(batch)
+        elif batch:
+            self.decode(batch)
+        self.scheduler.retire()
+        return mode
 
     def prefill(self, chunks):
         """Prompt chunks [(request, first position, length)] through the main model and the MTP layer."""
@@ -1700,227 +1855,6 @@ class Runner:
                 r.accept_lengths.append(len(new))
             r.num_cached += len(new)  # x_L and the accepted drafts now have KV
             r.emit(new, logits[b], self.cfg.eos_token_id)
-
-
-# ---- CUDA graphs: the speculative round captured per batch-size bucket -------------------------------------
-def graph_buckets(max_bs, rows_per_req, tp=1):
-    """Batch sizes captured for rows_per_req rows per request: 1, 2, 4, 8, then every 16 below max_bs, and
-    max_bs itself, those whose rows split evenly over tp ranks (max_bs rounded up to such a size; SGLang's
-    rule: at TP 8, bs=1 with 4 rows pads to bs=2, not 8)."""
-    step = tp // math.gcd(tp, rows_per_req)  # bs must be a multiple of this
-    top = -(-max_bs // step) * step
-    return [b for b in sorted({1, 2, 4, 8, *range(16, top, 16), top}) if b <= top and b % step == 0]
-
-
-class CudaGraphs:
-    """speculative_round as CUDA graphs, one per batch-size bucket, context bound (the indexer's width is a
-    shape: index_topk, else the next power of two) and kind of batch (greedy, or sampling: its distributions
-    are work of their own), each captured when a batch first needs it. A replay reads the round's inputs
-    from one set of static buffers and leaves the next round's there; padding rows sit at position 0 of
-    page-table rows of zeros, so they write the dummy slot 0."""
-
-    def __init__(self, model: Transformer, cache: KVCache, num_draft, max_batch, max_context, page_size):
-        self.model, self.cache = model, cache
-        self.buckets = graph_buckets(max_batch, num_draft + 1, tp_size())
-        bs = self.buckets[-1]
-        zeros = functools.partial(torch.zeros, dtype=torch.long, device=cache.latent.device)
-        context = max_context + round_lookahead(num_draft) + 1  # the furthest position a round writes, +1
-        self.max_width = -(-context // page_size) * page_size
-        sp = Sampling(zeros(bs), zeros(bs).float(), zeros(bs).float() + 1, False)
-        table = zeros(bs, self.max_width)
-        # the static inputs of every graph (q, the drafts' distributions: made for the first sampling batch)
-        self.static = Batch(zeros(bs, num_draft + 1), zeros(bs), None, table, zeros(bs), sp, 0)
-        self.graphs = {}
-        self.pool = None  # one memory pool for all of them
-
-    def width(self, max_ctx):
-        """The context bound a round runs under: index_topk, or the next power of two (the indexer's
-        width)."""
-        topk = self.model.cfg.index_topk
-        if max_ctx <= topk:
-            return topk
-        return min(1 << (max_ctx - 1).bit_length(), self.max_width)
-
-    def run(self, batch: Batch, B, table, max_ctx):
-        """Replay the round for the B requests of `batch` (the host's inputs, or the static ones the last
-        replay left), with their page table and a bound on their contexts -> (the static inputs, which hold
-        the next round's after the replay, the round's outputs; rows past B are padding)."""
-        s = self.static
-        bs = next(b for b in self.buckets if b >= B)
-        key = (bs, self.width(max_ctx), batch.sp.sampling)
-        if batch is not s:  # inputs from the host: copied in, padded (top_p 1: a distribution to sample)
-            if batch.q is not None and s.q is None:  # the first sampling batch
-                s.q = torch.zeros(
-                    (len(s.tokens),) + batch.q.shape[1:], dtype=batch.q.dtype, device=batch.q.device
-                )
-            for mine, theirs in zip(s.tensors(), batch.tensors(), strict=True):
-                if theirs is not None:
-                    mine[:B], mine[B:bs] = theirs, 0
-            s.sp.top_p[B:bs], s.sp.sampling = 1, batch.sp.sampling
-        s.table[:B, : table.shape[1]] = table
-        if B < bs:
-            s.table[B:bs, : key[1]] = 0  # (so every position of a padding row is the dummy slot)
-        if key not in self.graphs:
-            self.capture(key)
-        graph, out = self.graphs[key]
-        graph.replay()
-        return s, out
-
-    def capture(self, key):
-        """Capture the round for (bucket, context bound, sampling), after a warm-up that builds its kernels,
-        on inputs every row of which writes the dummy slot 0; the static inputs are kept as they were."""
-        t0 = time.perf_counter()
-        (bs, width, sampling), s = key, self.static
-        kept = [(t, t.clone()) for t in s.tensors() + [s.table] if t is not None]
-        for t, _ in kept:
-            t.zero_()
-        q = s.q[:bs] if sampling and s.q is not None else None
-        sp = Sampling(s.sp.seeds[:bs], s.sp.temperature[:bs], s.sp.top_p[:bs], sampling)
-        batch = Batch(s.tokens[:bs], s.start[:bs], q, s.table[:bs, :width], s.live[:bs], sp, width)
-        speculative_round(self.model, self.cache, batch)  # warm-up: compiles and autotunes kernels
-        torch.cuda.synchronize()
-        graph = torch.cuda.CUDAGraph()
-        gc.disable()  # an old engine's graphs, freed by the collector during a capture, would break it
-        try:
-            with torch.cuda.graph(graph, self.pool):
-                out = speculative_round(self.model, self.cache, batch)
-        finally:
-            gc.enable()
-        for t, saved in kept:
-            t.copy_(saved)
-        self.pool = self.pool or graph.pool()
-        self.graphs[key] = (graph, out)
-        took = f"{time.perf_counter() - t0:.2f} s"
-        kind = "sampling" if sampling else "greedy"
-        print(
-            f"nano-nsa: captured the {kind} round for bs {bs}, contexts <= {width} in {took}", file=sys.stderr
-        )
-
-
-# ---- LLM: the engine, tying the parts together -------------------------------------------------------------
-class LLM:
-    """DeepSeek-V3.2 engine: generate() admits requests, then runs steps until every request is done. A
-    step asks the scheduler what to run, runs it (a prefill step, or a speculative round), and retires what
-    finished."""
-
-    def __init__(
-        self,
-        model_dir=None,
-        device=None,
-        mtp=1,
-        kv_cache_bytes=None,
-        page_size=16,
-        max_batch=64,
-        max_prefill_tokens=1024,
-        max_context=None,
-        kernels="auto",
-        model=None,
-        cuda_graphs=True,
-    ):
-        """mtp: draft tokens per round (0: no speculative decoding). kv_cache_bytes: the KV pool (default:
-        CPU 256 MiB, GPU 80% of the free memory). model: a Transformer built already (bench.py), else
-        loaded from model_dir. The arguments are checked first (checks.py), the model files before any
-        weight is read (hf_checkpoint.py)."""
-        checks.check_engine_args(locals())
-        self.device = init_distributed(checks.check_device(device))  # torchrun: join the ranks, take a GPU
-        model_dir = model_dir or hf_checkpoint.default_model_dir()
-        self.cfg = model.cfg if model else open_checkpoint(model_dir)  # config + shard headers: no weights
-        if model is None:  # before any allocation
-            checks.check_fits(self.cfg, self.device, Transformer, KVCache.bytes_per_token(self.cfg))
-        self.tokenizer = load_tokenizer(model_dir, self.cfg)
-        require(mtp == 0 or self.cfg.n_mtp_layers > 0, f"mtp={mtp}: needs a checkpoint with an MTP layer")
-        page_bytes = KVCache.bytes_per_token(self.cfg) * page_size
-        checks.check_pool_bytes(kv_cache_bytes, page_bytes, self.device)
-        self.model = model or load_model(model_dir, self.device, kernels, self.cfg)
-        self.num_draft = mtp
-        self.max_context = min(max_context or self.cfg.max_seq_len, self.cfg.max_seq_len)
-        num_pages = self.pool_pages(kv_cache_bytes, page_bytes)
-        self.cache = KVCache(self.cfg, num_pages * page_size, self.device)
-        self.pool = PagePool(self.cache, page_size)
-        self.scheduler = Scheduler(self.pool, max_batch, max_prefill_tokens, mtp, self.cfg.index_topk)
-        graphs = None  # the torch references sync the host: no graphs for them
-        if cuda_graphs and self.device.type == "cuda" and self.model.ops is not TORCH_OPS:
-            graphs = CudaGraphs(self.model, self.cache, mtp, max_batch, self.max_context, page_size)
-        self.runner = Runner(self.model, self.cache, self.pool, mtp, graphs)
-        self.announce = self.device.type == "cuda" and tp_rank() == 0  # (the kernels, at the first generate)
-        self.stats = {}
-        if self.device.type == "cuda":
-            self.warm_up()
-
-    def warm_up(self):
-        """Build the GPU kernels (Triton compiles them at first use: seconds on a fresh machine) and the
-        greedy round's graphs of one and two requests before any generate the caller times, and say how long
-        it took."""
-        t0 = time.perf_counter()
-        for lengths in ((5, 16), (16,)):
-            self.generate([[self.cfg.bos_token_id] * n for n in lengths], max_new_tokens=2)
-        if tp_rank() == 0:
-            print(f"nano-nsa: built the kernels in {time.perf_counter() - t0:.1f} s", file=sys.stderr)
-
-    @property
-    def graphs(self):
-        """The CUDA graphs the runner replays (None: eager rounds)."""
-        return self.runner.graphs
-
-    def pool_pages(self, kv_cache_bytes, page_bytes):
-        """Pages of the KV pool: kv_cache_bytes, or CPU 256 MiB, GPU 80% of what is free; the smallest over
-        ranks (one schedule for all)."""
-        if kv_cache_bytes is None and self.device.type == "cuda":
-            kv_cache_bytes = int(torch.cuda.mem_get_info(self.device)[0] * 0.8)
-        elif kv_cache_bytes is None:
-            kv_cache_bytes = 256 << 20
-        pages = torch.tensor([kv_cache_bytes // page_bytes], device=self.device)
-        return int(all_reduce(pages, dist.ReduceOp.MIN))
-
-    def generate(
-        self,
-        prompts,
-        max_new_tokens=256,
-        temperature=0.0,
-        top_p=1.0,
-        seed=None,
-        return_logits=False,
-        thinking=False,
-        raw=False,
-        on_tokens=None,
-    ):
-        """prompts: strings (chat-encoded as a user turn; raw=True: plain completion) or lists of token
-        ids. max_new_tokens and seed: one value for every prompt or a list of one per prompt (one seed s:
-        prompt i draws with seed s + i; None: a fresh one)."""
-        prompts = checks.check_generate_args(prompts, dict(locals()), on_tokens)
-        if not prompts:
-            return []
-        reqs = self.make_requests(prompts, max_new_tokens, temperature, top_p, seed, thinking, raw)
-        for r in reqs:
-            r.return_logits, r.on_tokens = return_logits, on_tokens
-        if self.announce:
-            self.announce = False
-            where = torch.cuda.get_device_name(self.device)
-            print(f"nano-nsa: {where}, kernels: {self.model.ops.name}", file=sys.stderr)
-        t0 = time.perf_counter()
-        self.scheduler.add(reqs)
-        self.scheduler.preemptions = 0
-        rounds = 0
-        try:
-            while self.scheduler.has_work():
-                rounds += self.step() == "decode"
-            self.runner.settle()  # a round launched after its requests finished: nothing to emit
-        except BaseException:  # interrupted (Ctrl-C, an on_tokens that raised): no request is left behind
-            self.runner.launched = None
-            self.scheduler.drop_all()
-            raise
-        self.stats = self.summary(reqs, time.perf_counter() - t0, rounds)
-        return [self.result(r, return_logits) for r in reqs]
-
-    def step(self):
-        """One engine step: schedule -> run -> retire. Returns what ran ("prefill" or "decode")."""
-        mode, batch = self.scheduler.schedule()
-        if mode == "prefill":
-            self.runner.prefill(batch)
-        elif batch:
-            self.runner.decode(batch)
-        self.scheduler.retire()
-        return mode
 
     def make_requests(self, prompts, max_new_tokens, temperature, top_p, seed, thinking, raw):
         """One Request per prompt, each refused (ValueError) if it is empty, out of the vocabulary, or too

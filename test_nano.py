@@ -714,7 +714,7 @@ def test_interrupted_generate_leaves_the_engine_clean(tiny_dir):
 
     with pytest.raises(KeyboardInterrupt):
         llm.generate(prompts, max_new_tokens=8, on_tokens=stop)
-    assert not llm.scheduler.has_work() and llm.pool.free_slots == free
+    assert not (llm.scheduler.waiting or llm.scheduler.running) and llm.pool.free_slots == free
     again = llm.generate(prompts, max_new_tokens=8)
     assert [r.token_ids for r in again] == [r.token_ids for r in want]
 
@@ -1093,7 +1093,7 @@ def test_verify_and_draft_extend_use_the_decode_path(tiny_dir, monkeypatch):
     """Outside prefill steps, no row goes through the per-head (prefill) attention form."""
     llm = make_llm(tiny_dir, 3)
     in_round = [False]
-    orig_round, orig_attend = m.Runner.decode, m.MLA.attend_dense
+    orig_round, orig_attend = m.LLM.decode, m.MLA.attend_dense
 
     def decode_round(self, reqs):
         in_round[0] = True
@@ -1106,7 +1106,7 @@ def test_verify_and_draft_extend_use_the_decode_path(tiny_dir, monkeypatch):
         assert not in_round[0], "a decode round used the prefill attention path"
         return orig_attend(self, *a, **k)
 
-    monkeypatch.setattr(m.Runner, "decode", decode_round)
+    monkeypatch.setattr(m.LLM, "decode", decode_round)
     monkeypatch.setattr(m.MLA, "attend_dense", attend)
     llm.generate(mixed_prompts(3), max_new_tokens=6)
 
@@ -1125,7 +1125,7 @@ def test_gpu_or_cpu_model_that_does_not_fit_says_so_before_allocating(tmp_path, 
     import time
 
     save_sparse_checkpoint(str(tmp_path), m.Config.full())
-    assert m.open_checkpoint(str(tmp_path)) == m.Config.full()  # the headers are the official ones
+    assert hf.open_checkpoint(str(tmp_path), m.Config) == m.Config.full()  # the headers are the official ones
     script = os.path.join(os.path.dirname(os.path.abspath(__file__)), "nano_nsa.py")
     t0 = time.time()
     cli = [sys.executable, script, "--model", str(tmp_path), "--prompt", "hi", "--device", device]
@@ -2936,15 +2936,15 @@ def test_tensor_parallel_sizes_that_would_cut_fp8_blocks_are_refused():
     """The 671B shapes split into whole 128-blocks at 1 to 16 ranks, not at 32 (18432 / 32 = 576 dense MLP
     rows) or 3 (heads); Config.tiny's q_b_proj (4 heads x 96 = 384 rows) cannot split in two."""
     for n in (1, 2, 4, 8, 16):
-        m.Config.full().check_tp(n)
+        hf.check_tp(m.Config.full(), n)
     for cfg, n, why in [
         (m.Config.full(), 32, "inter_dim = 18432 must be a multiple of 4096"),
         (m.Config.full(), 3, "n_heads = 128 must be a multiple of 3"),
         (m.Config.tiny(), 2, "q_b_proj rows (n_heads * qk_head_dim) = 384 must be a multiple of 256"),
     ]:
         with pytest.raises(ValueError, match=re.escape(f"tensor parallel size {n}: {why}")):
-            cfg.check_tp(n)
-    m.Config.tiny(**TP_CONFIG).check_tp(4)
+            hf.check_tp(cfg, n)
+    hf.check_tp(m.Config.tiny(**TP_CONFIG), 4)
 
 
 def test_tensor_parallel_two_ranks_equal_one(calm_tp_dir, tmp_path):
@@ -3077,7 +3077,7 @@ def test_demo_training_copy_computes_what_the_engine_computes(tmp_path):
     the logits themselves."""
     td = _train_demo()
     torch.manual_seed(0)
-    cfg = m.Config(**{**td.DEMO, "n_layers": 2})
+    cfg = m.Config(**{**td.DEMO, "n_layers": 2, "n_dense_layers": 1})
     model = td.Model(cfg).eval()
     with torch.no_grad():
         for layer in model.model.layers:
@@ -3126,7 +3126,7 @@ def test_train_demo_smoke_runs_every_stage(tmp_path):
     )
     assert r.returncode == 0, r.stderr[-2000:]
     assert "sparse True, fp8 True" in r.stdout  # the last phase ran
-    cfg = m.open_checkpoint(str(tmp_path))
+    cfg = hf.open_checkpoint(str(tmp_path), m.Config)
     m.load_tokenizer(str(tmp_path), cfg)
     with open(tmp_path / "eval.json") as f:
         ev = json.load(f)
