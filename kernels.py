@@ -332,12 +332,17 @@ def _sparse_mla_blackwell(q_abs, q_pe, cache, selected, meta, scale):
 
 # ---- Dense causal attention: prompt chunks whose context fits in top-k (DSA selects all of it) ----
 def dense_attention(q, k, v, scale):
-    """Kernel of nano_nsa.dense_attention: torch SDPA (flash / memory-efficient), lower-right causal mask."""
-    from torch.nn.attention.bias import causal_lower_right
+    """Kernel of nano_nsa.dense_attention: torch SDPA (flash / memory-efficient), lower-right causal mask
+    (is_causal where the chunk is the whole context, the same kernel: importing torch's mask object costs
+    seconds at start, as it imports torch._dynamo)."""
+    mask = None
+    if q.shape[0] < k.shape[0]:  # a later chunk of a prompt
+        from torch.nn.attention.bias import causal_lower_right
 
-    mask = causal_lower_right(q.shape[0], k.shape[0])
+        mask = causal_lower_right(q.shape[0], k.shape[0])
     q, k, v = (x.transpose(0, 1)[None] for x in (q, k, v))
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)[0].transpose(0, 1)
+    out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None, scale=scale)
+    return out[0].transpose(0, 1)
 
 
 # ---- RMSNorm, with its output's act_quant in the same kernel ----

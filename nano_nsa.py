@@ -1058,8 +1058,8 @@ def load_model(path, device="cpu", kernels="auto", cfg=None) -> Transformer:
     from tqdm import tqdm
 
     cfg = cfg or hf_checkpoint.open_checkpoint(path, Config)
-    with torch.device("meta"):  # the layers' shapes only: no memory touched twice
-        model = Transformer(cfg).to_empty(device=device).eval()
+    with torch.device(device):  # parameters made empty (torch.empty), where they will live
+        model = Transformer(cfg).eval()
     params = dict(model.named_parameters())
     files = hf_checkpoint.shard_files(path)[0]
     total = sum(os.path.getsize(f) for f in files) // tp_size()  # about what each rank reads

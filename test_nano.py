@@ -3020,11 +3020,15 @@ def _train_demo():
     return td
 
 
+QUICK_START_PROMPT = "def fibonacci(n):\n    if n < 2:"  # the README's
+
+
 @needs_demo
 def test_cli_default_model_is_the_demo_and_writes_python():
-    """`python nano_nsa.py --prompt "def fibonacci(n):" --raw`: the default checkpoint is demo/, and it
-    continues code: indented lines and Python keywords (a random model prints byte noise)."""
-    r = _cli(["--prompt", "def fibonacci(n):", "--raw", "--max-new-tokens", "48", "--mtp", "3"])
+    """The README's quick start, `python nano_nsa.py --prompt $'def fibonacci(n):\n    if n < 2:' --raw`: the
+    default checkpoint is demo/, and it continues code: indented lines and Python keywords (a random model
+    prints byte noise)."""
+    r = _cli(["--prompt", QUICK_START_PROMPT, "--raw", "--max-new-tokens", "48", "--mtp", "3"])
     assert r.returncode == 0, r.stderr
     text = r.stdout
     indented = [ln for ln in text.splitlines() if re.match(r"^( {4})+\S", ln)]

@@ -163,8 +163,8 @@ def random_model(cfg: m.Config, device, seed=0, kernels="auto") -> m.Transformer
     """A model with random weights generated on `device`, tensor by tensor, with the writer's recipe and FP8
     quantization (not its values: the generator differs by device), without a checkpoint on disk: for GPU
     benchmarks of full-width layers. Under torchrun each rank fills only its share."""
-    with torch.device("meta"):
-        model = m.Transformer(cfg).to_empty(device=device).eval()
+    with torch.device(device):
+        model = m.Transformer(cfg).eval()
     params = dict(model.named_parameters())
     for name, (shape, kind) in hf.checkpoint_tensors(cfg).items():
         if kind == "scale" or m.load_target(params, cfg, name) is None:  # None: another rank's expert
