@@ -23,8 +23,8 @@ GEMM_SPLITS = 16  # at most: the tile's last program adds the partials one after
 GEMM_PARTIAL_BYTES = 64 << 20  # bound on the split-K partials of one launch (long prefills run in parts)
 GEMM_LOCKS = 1 << 16  # split-K tile counters, zero between launches
 _LOCKS = {}  # (device, stream_depth below) -> the counters (made at the first, eager, call)
-_HEAD_ROWS = {}  # (T, H, device) -> head_linear's row map and block heads, made once for decode-sized T
-HEAD_ROWS_CACHED = 256  # (prompt chunks, of any length, build theirs at each call)
+_HEAD_ROWS = {}  # (T, H, device) -> head_linear's row map and block heads (_head_rows)
+HEAD_ROWS_CACHED = 256  # T up to this is kept for good; of longer T only the last
 
 
 # Split-K counters are kept per stream depth (kernels.side_by_side forks the streams): one copy, here.
@@ -430,21 +430,30 @@ def dense_linear(x, w):
     return y.view(*x.shape[:-1], w.shape[0])
 
 
+def _head_rows(T, H, device):
+    """head_linear's row map [H * Tp] and block heads for T rows, kept for decode-sized T (CUDA graphs read
+    them) and, outside a capture, for the last longer T (the layers of one prompt chunk share it)."""
+    key, capturing = (T, H, device), torch.cuda.is_current_stream_capturing()
+    if key in _HEAD_ROWS and (T <= HEAD_ROWS_CACHED or not capturing):
+        return _HEAD_ROWS[key]
+    Tp = triton.cdiv(T, GEMM_BLOCK_M) * GEMM_BLOCK_M
+    t = torch.arange(Tp, device=device)
+    rows = torch.where(t < T, t * H + torch.arange(H, device=device)[:, None], -1).flatten()
+    heads = torch.arange(H, device=device, dtype=torch.int32).repeat_interleave(Tp // GEMM_BLOCK_M)
+    if T > HEAD_ROWS_CACHED and not capturing:  # one longer T at a time (a capture makes its own)
+        for old in [k for k in _HEAD_ROWS if k[0] > HEAD_ROWS_CACHED]:
+            del _HEAD_ROWS[old]
+    if T <= HEAD_ROWS_CACHED or not capturing:
+        _HEAD_ROWS[key] = (rows, heads)
+    return rows, heads
+
+
 def head_linear(x, w):
     """Kernel of nano_nsa.head_linear (MLA's absorbed W_UK, W_UV): x [T, H, K] by each head's w [H, N, K] ->
     [T, H, N] bf16, as the MoE's grouped GEMM with heads for experts: head h's rows (t * H + h) fill blocks of
     their own, so the sum order is fixed by the weight's shape (cuBLAS's follows T)."""
     T, H, K = x.shape
-    key = (T, H, x.device)
-    if key in _HEAD_ROWS:
-        rows, heads = _HEAD_ROWS[key]
-    else:
-        Tp = triton.cdiv(T, GEMM_BLOCK_M) * GEMM_BLOCK_M
-        t = torch.arange(Tp, device=x.device)
-        rows = torch.where(t < T, t * H + torch.arange(H, device=x.device)[:, None], -1).flatten()  # [H * Tp]
-        heads = torch.arange(H, device=x.device, dtype=torch.int32).repeat_interleave(Tp // GEMM_BLOCK_M)
-        if T <= HEAD_ROWS_CACHED:
-            _HEAD_ROWS[key] = (rows, heads)
+    rows, heads = _head_rows(T, H, x.device)
     x2 = x.to(BF16)
     if x2.stride(2) != 1 or x2.stride(0) != H * x2.stride(1):  # rows t * H + h one stride apart
         x2 = x2.contiguous()

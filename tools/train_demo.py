@@ -470,7 +470,11 @@ def prepare_data(args, dev, say):
     test = [(r, t) for r, t in files if held_out(r)]
     if args.smoke:
         train, args.batch = train[:40], 2
-    say(f"corpus: {len(train)} train files ({sum(map(len, train)) / 1e6:.1f} MB), {len(test)} held out")
+    size = sum(map(len, train)) / 1e6
+    args.corpus = (
+        f"standard library and packages: {len(train)} train files ({size:.1f} MB), {len(test)} held out"
+    )
+    say(f"corpus: {args.corpus}")
     tok = train_tokenizer(train, DEMO["vocab_size"])
     data, held = encode_files(tok, train).to(dev), encode_files(tok, [t for _, t in test])
     say(
@@ -570,6 +574,9 @@ def main():
     steps = train_model(model, data, chunks, args, dev, say)
     bf16, fp8, prompts, accept, size = export_and_evaluate(model, tok, test, chunks, args, dev, say)
     info = dict(
+        command="python " + " ".join(sys.argv),
+        seed=args.seed,
+        data=f"Python {sys.version.split()[0]}'s {args.corpus}",
         config=DEMO,
         seq=SEQ,
         steps=steps,
