@@ -35,6 +35,7 @@ quantizers, tokenizer and checkpoint writers.
 """
 
 import argparse
+import contextlib
 import json
 import os
 import re
@@ -42,6 +43,7 @@ import sys
 import sysconfig
 import time
 import zlib
+from statistics import fmean as mean
 
 import torch
 import torch.nn as nn
@@ -86,29 +88,22 @@ def python_files():
     a hash of its path)."""
     paths = sysconfig.get_paths()
     roots = sorted({paths["purelib"], paths["platlib"]})
-    out = py_files(paths["stdlib"])
-    site = [("site-packages/" + rel, text) for root in roots for rel, text in py_files(root)]
+    site = [f for root in roots for f in py_files(root, "site-packages/")]
     share = SITE_BYTES / max(1, sum(len(text) for _, text in site))  # the part of it kept, by a path hash
-    return out + [(rel, text) for rel, text in site if zlib.crc32(rel.encode()) % 1000 < 1000 * share]
+    kept = [(r, t) for r, t in site if zlib.crc32(r.encode()) % 1000 < 1000 * share]
+    return py_files(paths["stdlib"]) + kept
 
 
-def py_files(root):
-    """[(path relative to root, text)] of the .py files under root, sorted (site-packages skipped)."""
+def py_files(root, prefix=""):
+    """[(prefix + path relative to root, text)] of the .py files under root, sorted (no site-packages)."""
     out = []
     for d, dirs, files in os.walk(root):
         dirs[:] = sorted(x for x in dirs if x not in ("site-packages", "dist-packages", "__pycache__"))
-        for f in sorted(files):
-            if f.endswith(".py"):
-                try:
-                    with open(os.path.join(d, f), encoding="utf-8") as fh:
-                        out.append((os.path.relpath(os.path.join(d, f), root), fh.read()))
-                except (UnicodeDecodeError, OSError):  # a few test files are deliberately not UTF-8
-                    pass
+        for f in sorted(x for x in files if x.endswith(".py")):
+            path = os.path.join(d, f)  # (a few test files are deliberately not UTF-8: skipped)
+            with contextlib.suppress(UnicodeDecodeError, OSError), open(path, encoding="utf-8") as fh:
+                out.append((prefix + os.path.relpath(path, root), fh.read()))
     return out
-
-
-def mean(xs):
-    return sum(xs) / len(xs)
 
 
 def held_out(rel):
