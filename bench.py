@@ -22,7 +22,7 @@ import torch
 import checks
 import hf_checkpoint
 import nano_nsa as m
-from tools.checkpoint import random_model, write_byte_tokenizer
+from tools.checkpoint import fill_random_cache, random_model, write_byte_tokenizer
 
 HEADROOM = 4 << 30  # activations, graph pools and the bandwidth test beside the weights and the KV pool
 
@@ -329,10 +329,7 @@ def decode_mtp(args, model, tok_dir, k, points, bw, extra):
     captures = []  # seconds of each round graph captured from here on (the engine captures at first use)
     capture = llm.graphs.capture
     llm.graphs.capture = lambda key: captures.append(host_time(lambda: capture(key), 1, 0) / 1e3)
-    llm.cache.latent.normal_()
-    for ik in llm.cache.ik:  # layer by layer: a few GB of fp32 at a time
-        ik.copy_((torch.randn(ik.shape, device="cuda") * 8).to(m.FP8))
-    llm.cache.iks.uniform_(0.5, 1.5)
+    fill_random_cache(llm.cache)
     eos = llm.cfg.eos_token_id  # (the engine checked it against the tokenizer)
     llm.cfg.eos_token_id = -1  # random tokens must not end a request
     rows = []

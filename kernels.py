@@ -173,10 +173,26 @@ _BLACKWELL = {}  # that workspace, made at the first call (zeroed, as trtllm-gen
 
 
 @triton.jit
+def _load_latents(
+    kv8_ptr, kvs_ptr, pec_ptr, slot, valid, ROW, C: tl.constexpr, R: tl.constexpr, BLOCK_N: tl.constexpr
+):
+    """The cache rows of BLOCK_N slots (valid: which are real) -> (latents [BLOCK_N, C] bf16, dequantized from
+    FP8 and their 1x128 scales, exactly; rope keys [BLOCK_N, R] bf16)."""
+    c, g, r = tl.arange(0, C), tl.arange(0, C // 128), tl.arange(0, R)
+    kv = tl.load(kv8_ptr + slot[:, None] * ROW + c[None, :], mask=valid[:, None], other=0.0)  # fp8
+    ks = tl.load(kvs_ptr + slot[:, None] * (ROW // 4) + g[None, :], mask=valid[:, None], other=0.0)
+    kv = tl.reshape(tl.reshape(kv.to(tl.float32), [BLOCK_N, C // 128, 128]) * ks[:, :, None], [BLOCK_N, C])
+    pe = tl.load(pec_ptr + slot[:, None] * (ROW // 2) + r[None, :], mask=valid[:, None], other=0.0)
+    return kv.to(tl.bfloat16), pe
+
+
+@triton.jit
 def _sparse_mla_kernel(
     q_ptr,
     qpe_ptr,
-    kv_ptr,
+    kv8_ptr,
+    kvs_ptr,
+    pec_ptr,
     sel_ptr,
     table_ptr,
     row_req_ptr,
@@ -189,6 +205,7 @@ def _sparse_mla_kernel(
     W,
     table_stride,
     scale,
+    ROW: tl.constexpr,
     C: tl.constexpr,
     R: tl.constexpr,
     SPLITS: tl.constexpr,
@@ -198,7 +215,9 @@ def _sparse_mla_kernel(
 ):
     """One (row t, block of heads, chunk s of the row's selection): online softmax over the chunk's slots,
     BLOCK_N at a time, in order. The row's valid positions come first (min(ctx[t], W) of them); steps past
-    them are skipped (they would add exact zeros), so a row's result does not depend on the batch's width."""
+    them are skipped (they would add exact zeros), so a row's result does not depend on the batch's width.
+    The cache rows (ROW bytes: kv8 | kvs | pec, typed views) are dequantized as loaded: FP8 times a power of
+    two is exact in bf16, so the dot products see the values a bf16 cache held."""
     t, hb, s = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     h = hb * BLOCK_H + tl.arange(0, BLOCK_H)
     hmask = h < H
@@ -215,10 +234,8 @@ def _sparse_mla_kernel(
         j = j0 + tl.arange(0, BLOCK_N)
         pos = tl.load(sel_ptr + t.to(tl.int64) * W + j, mask=j < n_valid, other=-1)
         valid = pos >= 0
-        slot = tl.load(table + pos, mask=valid, other=0).to(tl.int64)
-        row = tl.maximum(slot, 0) * (C + R)
-        kv = tl.load(kv_ptr + row[:, None] + c[None, :], mask=valid[:, None], other=0.0)  # [BN, C]
-        pe = tl.load(kv_ptr + row[:, None] + C + r[None, :], mask=valid[:, None], other=0.0)  # [BN, R]
+        slot = tl.maximum(tl.load(table + pos, mask=valid, other=0).to(tl.int64), 0)
+        kv, pe = _load_latents(kv8_ptr, kvs_ptr, pec_ptr, slot, valid, ROW, C, R, BLOCK_N)  # [BN, C], [BN, R]
         score = (tl.dot(q, tl.trans(kv)) + tl.dot(qpe, tl.trans(pe))) * scale  # [BH, BN] fp32
         score = tl.where(valid[None, :], score, float("-inf"))
         m_new = tl.maximum(m, tl.max(score, 1))
@@ -283,6 +300,7 @@ def sparse_mla(q_abs, q_pe, cache, selected, meta, scale):
     out = torch.empty(T, H, C, dtype=BF16, device=q_abs.device)
     step = max(1, MLA_PARTIAL_BYTES // (splits * H * C * 4))  # rows per launch (independent of each other)
     config = dict(C=C, R=R, SPLITS=splits, CHUNK=MLA_CHUNK, BLOCK_H=block_h, BLOCK_N=MLA_BLOCK_N, num_warps=8)
+    config["num_stages"] = 3
     for t0 in range(0, T, step):
         rows = slice(t0, min(T, t0 + step))
         n = rows.stop - rows.start
@@ -290,9 +308,19 @@ def sparse_mla(q_abs, q_pe, cache, selected, meta, scale):
         ml = torch.empty(splits * n * H * 2 if splits > 1 else 0, dtype=torch.float32, device=q_abs.device)
         q, qpe = (x[rows].to(BF16).contiguous() for x in (q_abs, q_pe))
         sel, req, ctx = (x[rows].contiguous() for x in (selected, meta.row_req, meta.ctx_lens))
-        inputs = (q, qpe, cache.latent, sel, meta.table, req, ctx)
+        inputs = (q, qpe, cache.kv, cache.kv_scale, cache.pe, sel, meta.table, req, ctx)
         _sparse_mla_kernel[(n, triton.cdiv(H, block_h), splits)](
-            *inputs, out[rows], part, ml, n, H, W, meta.table.stride(0), scale, **config, num_stages=3
+            *inputs,
+            out[rows],
+            part,
+            ml,
+            n,
+            H,
+            W,
+            meta.table.stride(0),
+            scale,
+            cache.latent.stride(0),
+            **config,
         )
         if splits > 1:
             _mla_combine_kernel[(n, H)](part, ml, out[rows], n, H, SPLITS=splits, C=C, num_warps=4)
@@ -313,9 +341,14 @@ def _sparse_mla_blackwell(q_abs, q_pe, cache, selected, meta, scale):
     if "workspace" not in _BLACKWELL:
         _BLACKWELL["workspace"] = torch.zeros(WORKSPACE_BYTES, dtype=torch.uint8, device=q_abs.device)
     q = torch.cat([q_abs.to(BF16), q_pe.to(BF16)], -1)[:, None]  # [T, 1, H, C + R]
+    # the selected rows dequantized to bf16 (called here with a bf16 cache), as pages of one slot each
+    kv, pe = cache.kv[slots.clamp(min=0)], cache.pe[slots.clamp(min=0)]  # [T, W, C] fp8, [T, W, R]
+    kv = (kv.float().unflatten(-1, (-1, 128)) * cache.kv_scale[slots.clamp(min=0)][..., None]).flatten(-2)
+    rows = torch.cat([kv.to(BF16), pe], -1).view(T * W, 1, -1)
+    slots = torch.where(slots >= 0, torch.arange(T * W, device=slots.device).view(T, W), -1)
     out = trtllm_batch_decode_with_kv_cache_mla(
         query=q,
-        kv_cache=cache.latent[:, None, :],
+        kv_cache=rows,
         workspace_buffer=_BLACKWELL["workspace"],
         qk_nope_head_dim=128,  # DeepSeek-V3.2's (the absorbed form does not read it)
         kv_lora_rank=C,
@@ -542,32 +575,38 @@ def _store_latent_kernel(
     cos_ptr,
     sin_ptr,
     slots_ptr,
-    cache_ptr,
+    kv8_ptr,
+    kvs_ptr,
+    pec_ptr,
     kv_stride,
     pe_stride,
+    ROW: tl.constexpr,
     eps,
     C: tl.constexpr,
     C_PAD: tl.constexpr,
     R: tl.constexpr,
 ):
-    """One row: its latent RMS-normalized (fp32, one fixed sum order), rounded to bf16, FP8 round-tripped
-    (1x128 groups, pow2 scales), and its rope key rotated (interleaved pairs), into its slot's cache row."""
+    """One row: its latent RMS-normalized (fp32, one fixed sum order), rounded to bf16, quantized to FP8
+    (1x128 groups, pow2 scales), and its rope key rotated (interleaved pairs), into its slot's cache row of
+    ROW bytes (kv8, kvs, pec: the row's FP8 latent, fp32 scales and bf16 rope key, views of its bytes)."""
     t = tl.program_id(0).to(tl.int64)
-    row = cache_ptr + tl.load(slots_ptr + t) * (C + R)
+    slot = tl.load(slots_ptr + t).to(tl.int64)
     c = tl.arange(0, C_PAD)
     x = tl.load(kv_ptr + t * kv_stride + c, mask=c < C, other=0.0).to(tl.float32)
     inv = tl.rsqrt(tl.sum(x * x, 0) / C + eps)
     y = (tl.load(w_ptr + c, mask=c < C, other=0.0) * (x * inv)).to(tl.bfloat16).to(tl.float32)
     q, s = _pow2_quant(tl.reshape(y, [C_PAD // 128, 128]))
-    latent = tl.reshape(q.to(tl.float32) * s[:, None], [C_PAD])
-    tl.store(row + c, latent.to(tl.bfloat16), mask=c < C)
+    tl.store(kv8_ptr + slot * ROW + c, tl.reshape(q, [C_PAD]), mask=c < C)
+    g = tl.arange(0, C_PAD // 128)
+    tl.store(kvs_ptr + slot * (ROW // 4) + g, s, mask=g < C // 128)
     i = tl.arange(0, R // 2)
     x1 = tl.load(pe_ptr + t * pe_stride + 2 * i).to(tl.float32)
     x2 = tl.load(pe_ptr + t * pe_stride + 2 * i + 1).to(tl.float32)
     cos = tl.load(cos_ptr + t * (R // 2) + i)
     sin = tl.load(sin_ptr + t * (R // 2) + i)
-    tl.store(row + C + 2 * i, _rotate(x1, x2, cos, sin, True).to(tl.bfloat16))
-    tl.store(row + C + 2 * i + 1, _rotate(x1, x2, cos, sin, False).to(tl.bfloat16))
+    pe_row = pec_ptr + slot * (ROW // 2)
+    tl.store(pe_row + 2 * i, _rotate(x1, x2, cos, sin, True).to(tl.bfloat16))
+    tl.store(pe_row + 2 * i + 1, _rotate(x1, x2, cos, sin, False).to(tl.bfloat16))
 
 
 def store_latent(kv, k_pe, norm_weight, eps, cos, sin, cache, slots):
@@ -577,9 +616,8 @@ def store_latent(kv, k_pe, norm_weight, eps, cos, sin, cache, slots):
     assert kv.stride(1) == 1 and k_pe.stride(1) == 1
     if T:
         config = dict(C=C, C_PAD=triton.next_power_of_2(C), R=R, num_warps=4, **NO_FMA)
-        _store_latent_kernel[(T,)](
-            kv, k_pe, norm_weight, cos, sin, slots, cache.latent, kv.stride(0), k_pe.stride(0), eps, **config
-        )
+        row = (cache.kv, cache.kv_scale, cache.pe, kv.stride(0), k_pe.stride(0), cache.latent.stride(0))
+        _store_latent_kernel[(T,)](kv, k_pe, norm_weight, cos, sin, slots, *row, eps, **config)
 
 
 @triton.jit

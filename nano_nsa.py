@@ -425,18 +425,31 @@ class Meta:
 
 @dataclass
 class LayerCache:
-    latent: torch.Tensor  # [S, C + R] bf16  one row per slot: normalized latent (FP8-rounded) | rope key
+    """One layer's KV pool, a row per slot. MLA's row is DeepSeek's FP8 layout (FlashMLA's, vLLM's
+    `fp8_ds_mla`): the normalized latent as FP8 in 1x128 groups (the official cache rounds it so), the
+    groups' power-of-two fp32 scales, then the rotated rope key in bf16: 512 + 16 + 128 = 656 bytes at full
+    size, against 1152 for the same values in bf16. The three parts are typed views of the row's bytes."""
+
+    latent: torch.Tensor  # [S, C + C/32 + 2R] uint8: kv (fp8) | kv_scale (fp32) | pe (bf16)
     ik: torch.Tensor  # [S, J] fp8   indexer key
     iks: torch.Tensor  # [S]    fp32  indexer key scale
     C: int  # kv_lora_rank
 
     @property
-    def kv(self):  # [S, C] a view: kernels read `latent` whole or split
-        return self.latent[:, : self.C]
+    def kv(self):  # [S, C] fp8
+        return self.latent[:, : self.C].view(FP8)
 
     @property
-    def pe(self):  # [S, R]
-        return self.latent[:, self.C :]
+    def kv_scale(self):  # [S, C/128] fp32
+        return self.latent[:, self.C : self.C * 33 // 32].view(torch.float32)
+
+    @property
+    def pe(self):  # [S, R] bf16
+        return self.latent[:, self.C * 33 // 32 :].view(BF16)
+
+    def latents(self, slots):
+        """The cached latents of `slots` (any shape) -> (kv [..., C] fp32, exact; pe [..., R] bf16)."""
+        return act_dequant(self.kv[slots], self.kv_scale[slots]), self.pe[slots]
 
 
 # ---- Lightning indexer (DSA): picks the top-K context positions for every query row (spec 3.7) -------------
@@ -550,12 +563,12 @@ def sparse_mla(q_abs, q_pe, cache: LayerCache, selected, meta: Meta, scale):
     slots = meta.table[meta.row_req[:, None], selected.clamp(min=0)]
     slots = torch.where(selected >= 0, slots, -1)  # [T, K] KV-pool slots
     acc = acc_dtype(q_abs)
-    block = max(1, SPARSE_MLA_BLOCK_BYTES // (slots.shape[1] * cache.latent.shape[1] * 8))
+    block = max(1, SPARSE_MLA_BLOCK_BYTES // (slots.shape[1] * (q_abs.shape[-1] + q_pe.shape[-1]) * 8))
     out = []
     for first in range(0, len(slots), block):
         rows = slice(first, first + block)
-        kv = cache.kv[slots[rows].clamp(min=0)].to(acc)  # [t, K, C]
-        pe = cache.pe[slots[rows].clamp(min=0)].to(acc)  # [t, K, R]
+        kv, pe = cache.latents(slots[rows].clamp(min=0))  # [t, K, C], [t, K, R]
+        kv, pe = kv.to(acc), pe.to(acc)
         scores = q_abs[rows].to(acc) @ kv.transpose(1, 2) + q_pe[rows].to(acc) @ pe.transpose(1, 2)
         scores = (scores * scale).masked_fill(~(slots[rows] >= 0)[:, None, :], float("-inf"))  # [t, H, K]
         out.append((scores.softmax(-1) @ kv).float())  # [t, H, C]
@@ -580,10 +593,9 @@ def head_linear(x, w):
 
 def store_latent(kv, k_pe, norm_weight, eps, cos, sin, cache: LayerCache, slots):
     """MLA's cache write for this pass's tokens (the reference of its kernel): the latent kv [T, C]
-    RMS-normalized (kv_norm) and rounded through FP8 as the official cache stores it (1x128 groups, kept as
-    the exact bf16 values), and the rope key k_pe [T, R] rotated, into the cache rows `slots`."""
-    latent = rms_norm(kv, None, norm_weight, eps)
-    cache.kv[slots] = act_dequant(*act_quant(latent)).to(BF16)
+    RMS-normalized (kv_norm) and quantized to FP8 as the official cache stores it (1x128 groups, pow2 scales),
+    and the rope key k_pe [T, R] rotated, into the cache rows `slots`."""
+    cache.kv[slots], cache.kv_scale[slots] = act_quant(rms_norm(kv, None, norm_weight, eps))
     cache.pe[slots] = rope(k_pe, cos, sin, interleaved=True)
 
 
@@ -655,10 +667,11 @@ class MLA(nn.Module):
         """Prefill ("MHA") form for one request's rows: expand the context's latents to per-head
         keys/values."""
         dtype = self.w_uk.dtype
-        kv = cache.kv[ctx].to(dtype)  # [N, C]
+        kv, k_pe = cache.latents(ctx)  # [N, C], [N, R]
+        kv = kv.to(dtype)
         k_nope = torch.einsum("nc,hcd->nhd", kv, self.w_uk)  # [N, H, D]
         v = torch.einsum("nc,hvc->nhv", kv, self.w_uv)  # [N, H, V]
-        k_pe = cache.pe[ctx].to(dtype)[:, None, :].expand(-1, k_nope.shape[1], -1)  # [N, H, R]: shared
+        k_pe = k_pe.to(dtype)[:, None, :].expand(-1, k_nope.shape[1], -1)  # [N, H, R]: shared by the heads
         k = torch.cat([k_nope, k_pe], -1)
         q = torch.cat([q_nope, q_pe], -1).to(dtype)
         return self.ops.dense_attention(q, k, v, self.cfg.softmax_scale)  # [S, H, V]
@@ -887,23 +900,24 @@ class Transformer(nn.Module):
 
 
 class KVCache:
-    """The KV pool of every layer (main layers, then MTP layers), addressed by slot: the FP8-rounded latent
-    and the rope key in one bf16 row (1152 B/token/layer at full size), the indexer key (FP8, 128 B) and
-    its fp32 scale."""
+    """The KV pool of every layer (main layers, then MTP layers), addressed by slot: MLA's FP8 row
+    (LayerCache: 656 B/token/layer at full size), the indexer key (FP8, 128 B) and its fp32 scale."""
 
     def __init__(self, cfg: Config, num_slots: int, device="cpu"):
         L = cfg.n_layers + cfg.n_mtp_layers
         self.C = cfg.kv_lora_rank
-        self.latent = torch.zeros(
-            L, num_slots, cfg.kv_lora_rank + cfg.qk_rope_head_dim, dtype=BF16, device=device
-        )
+        self.latent = torch.zeros(L, num_slots, self.row_bytes(cfg), dtype=torch.uint8, device=device)
         self.ik = torch.zeros(L, num_slots, cfg.index_head_dim, dtype=FP8, device=device)
         self.iks = torch.zeros(L, num_slots, dtype=torch.float32, device=device)
 
     @staticmethod
+    def row_bytes(cfg: Config):
+        """MLA's cache row: C FP8 values, C/128 fp32 scales, R bf16 values."""
+        return cfg.kv_lora_rank + cfg.kv_lora_rank // 32 + 2 * cfg.qk_rope_head_dim
+
+    @staticmethod
     def bytes_per_token(cfg: Config):
-        latent = 2 * (cfg.kv_lora_rank + cfg.qk_rope_head_dim)
-        return (cfg.n_layers + cfg.n_mtp_layers) * (latent + cfg.index_head_dim + 4)
+        return (cfg.n_layers + cfg.n_mtp_layers) * (KVCache.row_bytes(cfg) + cfg.index_head_dim + 4)
 
     def layer(self, i):
         return LayerCache(self.latent[i], self.ik[i], self.iks[i], self.C)

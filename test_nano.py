@@ -352,9 +352,9 @@ def test_cached_latent_is_fp8_round_tripped(model):
     got, _, meta, cache = prefill_capturing(model, 40, 1, {"x": (attn, "input")})
     x = got["x"][0]
     kv = attn.kv_norm(projection(attn, "wkv_a", x)[:, : model.cfg.kv_lora_rank])
-    cached = cache.layer(1).kv[meta.slots]
-    assert torch.equal(cached.double(), fake_quant_ref(kv))
-    assert not torch.equal(cached, kv), "the latent was cached without the FP8 round trip"
+    cached = cache.layer(1).latents(meta.slots)[0]  # FP8 values times their scales
+    assert cache.layer(1).kv.dtype == m.FP8 and torch.equal(cached.double(), fake_quant_ref(kv))
+    assert not torch.equal(cached, kv.float()), "the latent was cached without the FP8 rounding"
 
 
 def test_indexer_key_uses_hadamard(model):
@@ -427,7 +427,7 @@ def test_absorbed_decode_equals_naive_per_head_mla(model):
     for t in range(len(extra)):
         allowed[t, sel[t][sel[t] >= 0]] = True
     assert allowed.sum(1).tolist() == [model.cfg.index_topk] * 3  # 51..53 context, top-32 each
-    want = naive_mla(attn, x, meta.positions, cache.layer(1).kv[ctx], cache.layer(1).pe[ctx], allowed)
+    want = naive_mla(attn, x, meta.positions, *cache.layer(1).latents(ctx), allowed)
     assert_bf16_close(o, want, "absorbed vs per-head")
 
 
@@ -437,7 +437,7 @@ def test_sparse_with_topk_covering_context_equals_dense(model, monkeypatch):
     got, _, meta, cache = prefill_capturing(model, 70, 6, {"x": (attn, "input"), "o": (attn.wo, "input")})
     causal = torch.ones(70, 70, dtype=torch.bool).tril()
     c = cache.layer(2)
-    want = naive_mla(attn, got["x"][0], meta.positions, c.kv[meta.slots], c.pe[meta.slots], causal)
+    want = naive_mla(attn, got["x"][0], meta.positions, *c.latents(meta.slots), causal)
     assert_bf16_close(got["o"][0], want, "sparse (top-k covers all) vs dense causal")
 
 
@@ -484,9 +484,7 @@ def test_indexer_selects_true_topk_and_attention_is_masked_dense(model):
     for s in range(S):
         allowed[s, sel[s][sel[s] >= 0]] = True
     assert not torch.equal(allowed, causal)
-    want = naive_mla(
-        attn, x, meta.positions, cache.layer(1).kv[meta.slots], cache.layer(1).pe[meta.slots], allowed
-    )
+    want = naive_mla(attn, x, meta.positions, *cache.layer(1).latents(meta.slots), allowed)
     assert_bf16_close(got["o"][0], want, "sparse attention vs dense masked to the selection")
 
 
@@ -585,6 +583,55 @@ def test_two_prefill_chunks_equal_one(model):
     assert (two - want).abs().max() <= 1e-4 * want.abs().max()
     C = cfg.kv_lora_rank
     assert torch.equal(c1.latent[..., :C], c2.latent[..., :C]) and torch.equal(c1.ik.float(), c2.ik.float())
+
+
+class BF16LayerCache(m.LayerCache):
+    """The cache layout before issue 34, written here as it was: the FP8-rounded latent, dequantized, and the
+    rope key in one bf16 row of C + R values."""
+
+    def latents(self, slots):
+        return self.latent[slots, : self.C].float(), self.latent[slots, self.C :]
+
+
+def store_latent_bf16(kv, k_pe, norm_weight, eps, cos, sin, cache, slots):
+    """store_latent for BF16LayerCache: the same values, dequantized into bf16."""
+    latent = m.act_dequant(*m.act_quant(m.rms_norm(kv, None, norm_weight, eps)))
+    cache.latent[slots, : cache.C] = latent.to(m.BF16)
+    cache.latent[slots, cache.C :] = m.rope(k_pe, cos, sin, interleaved=True)
+
+
+def test_fp8_latent_cache_gives_the_bf16_layouts_logits(model, monkeypatch):
+    """The cache in DeepSeek's FP8 layout (656 bytes a token and layer at full size) holds the values the
+    bf16 layout held (FP8 times a power of two is exact): a prompt chunk within top-k (dense attention), one
+    past it (the indexer selects, sparse attention), then decode rows and an MTP step give bit-identical
+    logits with either layout."""
+    cfg = model.cfg
+    assert m.KVCache.row_bytes(m.Config.full()) == 656
+    torch.manual_seed(3)
+    seq = torch.randint(6, cfg.vocab_size, (60,))
+    table = torch.arange(128)[None]
+    runs = []
+    for layout in ("fp8", "bf16"):
+        cache = m.KVCache(cfg, 128)
+        if layout == "bf16":
+            L, C = cache.latent.shape[0], cfg.kv_lora_rank
+            bf16 = torch.zeros(L, 128, C + cfg.qk_rope_head_dim, dtype=m.BF16)
+            monkeypatch.setattr(
+                cache, "layer", lambda i, b=bf16, c=cache, C=C: BF16LayerCache(b[i], c.ik[i], c.iks[i], C)
+            )
+            monkeypatch.setattr(m.TORCH_OPS, "store_latent", store_latent_bf16)
+        logits = []
+        for start, n, mode in ((0, 20, "prefill"), (20, 30, "prefill"), (50, 1, "decode"), (51, 4, "decode")):
+            meta = m.Meta.build(mode, [start], [n], table)
+            h = model(seq[start : start + n], meta, cache)
+            logits += [
+                model.logits(h),
+                model.mtp[0].logits(model.mtp_forward(seq[start + 1 : start + n + 1], h, meta, cache)),
+            ]
+        runs.append(logits)
+    assert cfg.index_topk < 50  # the second chunk and the decode rows run the indexer and sparse attention
+    for got, want in zip(*runs, strict=True):
+        assert torch.equal(got, want)
 
 
 def test_mtp_layer_matches_spec(model):
@@ -1349,11 +1396,20 @@ def _random_fp8(n, k, gen):
     return w, scale
 
 
+def _random_latents(S, C, gen, R=64):
+    """S rows of MLA's cache (the FP8 layout) holding random latents (act_quant of normal values) and rope
+    keys."""
+    cache = m.LayerCache(torch.zeros(S, C + C // 32 + 2 * R, dtype=torch.uint8, device="cuda"), None, None, C)
+    cache.kv[:], cache.kv_scale[:] = m.act_quant(torch.randn(S, C, device="cuda", generator=gen).to(m.BF16))
+    cache.pe[:] = torch.randn(S, R, device="cuda", generator=gen).to(m.BF16)
+    return cache.latent
+
+
 def _decode_rows(batch, ctx, cfg, gen):
     """A KV pool with random latents and indexer keys, and one decode row per request at context ctx."""
     S = batch * ctx + 1
     cache = m.LayerCache(
-        torch.randn(S, cfg.kv_lora_rank + cfg.qk_rope_head_dim, device="cuda", generator=gen).to(m.BF16),
+        _random_latents(S, cfg.kv_lora_rank, gen, cfg.qk_rope_head_dim),
         (torch.randn(S, cfg.index_head_dim, device="cuda", generator=gen) * 8).to(m.FP8),
         torch.rand(S, device="cuda", generator=gen) + 0.5,
         cfg.kv_lora_rank,
@@ -1774,15 +1830,15 @@ def test_gpu_store_latent_matches_reference(T, C):
     weight = torch.rand(C, device="cuda", generator=gen) + 0.5
     cos, sin = m.rope_cos_sin(m.Config(), torch.randint(0, 160000, (T,), device="cuda", generator=gen))
     slots = torch.randperm(2 * T + 8, device="cuda", generator=gen)[:T]
-    pools = [torch.randn(2 * T + 8, C + R, device="cuda", generator=gen).to(m.BF16) for _ in range(2)]
+    pools = [_random_latents(2 * T + 8, C, gen, R) for _ in range(2)]
     pools[1].copy_(pools[0])
-    kernels.store_latent(kv, k_pe, weight, 1e-6, cos, sin, m.LayerCache(pools[0], None, None, C), slots)
-    m.store_latent(kv, k_pe, weight, 1e-6, cos, sin, m.LayerCache(pools[1], None, None, C), slots)
-    got, want = pools[0].float(), pools[1].float()
-    untouched = torch.ones(len(got), dtype=torch.bool, device="cuda").index_fill_(0, slots, False)
-    assert torch.equal(got[untouched], want[untouched])
-    assert ((got[slots, C:] - want[slots, C:]).abs() <= 2**-7 * want[slots, C:].abs()).all()
-    lat, lat_ref = got[slots, :C], want[slots, :C]
+    caches = [m.LayerCache(pool, None, None, C) for pool in pools]
+    kernels.store_latent(kv, k_pe, weight, 1e-6, cos, sin, caches[0], slots)
+    m.store_latent(kv, k_pe, weight, 1e-6, cos, sin, caches[1], slots)
+    untouched = torch.ones(len(pools[0]), dtype=torch.bool, device="cuda").index_fill_(0, slots, False)
+    assert torch.equal(pools[0][untouched], pools[1][untouched])
+    (lat, pe), (lat_ref, pe_ref) = (c.latents(slots) for c in caches)
+    assert ((pe.float() - pe_ref.float()).abs() <= 2**-7 * pe_ref.float().abs()).all()
     assert ((lat - lat_ref).norm() / lat_ref.norm()).item() < 1e-2
     assert (lat != lat_ref).float().mean().item() <= 0.01
 
@@ -1861,7 +1917,7 @@ def test_gpu_indexer_kernel_matches_reference(B, rows, ctx, heads, K):
     S = max(lens) * B + rows * B + 64
     meta = _random_rows(lens, rows, gen, S)
     cache = m.LayerCache(
-        torch.zeros(S, 576, dtype=m.BF16, device="cuda"),
+        None,
         _rand_fp8(S, 128, gen=gen),
         2.0 ** torch.randint(-8, -2, (S,), generator=gen, device="cuda").float(),
         512,
@@ -1922,7 +1978,7 @@ def _sparse_case(B, rows, ctx, gen, K=2048, H=128, C=512):
     lens = [ctx] * B if ctx else torch.randint(1, 40000, (B,), generator=gen, device="cuda").tolist()
     S = max(lens) * B + rows * B + 64
     meta = _random_rows(lens, rows, gen, S)
-    cache = m.LayerCache((torch.randn(S, C + 64, generator=gen, device="cuda")).to(m.BF16), None, None, C)
+    cache = m.LayerCache(_random_latents(S, C, gen), None, None, C)
     T = B * rows
     width = min(K, meta.max_ctx)
 

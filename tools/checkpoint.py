@@ -159,6 +159,19 @@ def save_random_checkpoint(
     write_json(os.path.join(path, "model.safetensors.index.json"), index)
 
 
+def fill_random_cache(cache: m.KVCache):
+    """Random contents in every slot of a KV pool, layer by layer (a benchmark's kernels then read
+    real-looking values): FP8 latents (positive codes, below the NaN code) with power-of-two scales, normal
+    rope keys, FP8 indexer keys with scales in [0.5, 1.5)."""
+    for i in range(len(cache.latent)):
+        layer = cache.layer(i)
+        layer.latent[:, : layer.C].random_(0, 0x7F)
+        layer.kv_scale.fill_(2**-6)
+        layer.pe.normal_()
+        layer.ik.copy_((torch.randn(layer.ik.shape, device=layer.ik.device) * 8).to(m.FP8))
+    cache.iks.uniform_(0.5, 1.5)
+
+
 def random_model(cfg: m.Config, device, seed=0, kernels="auto") -> m.Transformer:
     """A model with random weights generated on `device`, tensor by tensor, with the writer's recipe and FP8
     quantization (not its values: the generator differs by device), without a checkpoint on disk: for GPU
