@@ -8,6 +8,7 @@ docs/benchmarks.md.
 """
 
 import argparse
+import functools
 import gc
 import json
 import math
@@ -226,39 +227,36 @@ def round_profile(llm, ctx, round_ms, verify_replay):
     return res
 
 
-def metadata_point(llm, k, bs, ctx):
-    """Host ms and kernels of a verify pass's metadata built from host lists (Meta.build), host ms of a draft
-    step's made on the device from positions (as the round makes it), and a round's cost with them built once
-    per step vs per layer and per draft step."""
-    reqs = decode_batch(llm, bs, ctx, 2)
+def mla_kernel(llm, ctx):
+    """The sparse MLA kernel alone (kernels.sparse_mla over the engine's FP8 cache, every row its own top-k of
+    ctx positions) at 16 to 256 rows, replayed from a CUDA graph: TFLOPS of attention work, 2 T H K (2C + R),
+    and GB/s of the cache rows it gathers, T K x the row's bytes."""
+    import kernels
 
-    def build(j):
-        return m.Meta.build("decode", [r.num_cached + j for r in reqs], [k + 1] * bs, llm.pool.table(reqs))
-
-    t_build = host_time(lambda: build(int(time.perf_counter_ns() % 7) + 1), iters=10)  # new lengths: no reuse
-    base = build(1)  # then a draft step's, made as nano_nsa.draft makes it
-    start, rows = base.positions[:: k + 1], torch.arange(bs, device=llm.device)
-    t_draft = host_time(
-        lambda: m.Meta("decode", start + 1, rows, base.table, list(range(bs + 1)), base.max_ctx), iters=10
-    )
-    launches = sum(e.count for e in kernel_events(lambda: build(9)))
-    release(llm, reqs)
-    once = t_build + max(k - 1, 0) * t_draft  # verify (extend reuses it), then k - 1 draft steps
-    # per layer: n_layers + 1 (MTP) layers, then k - 1 draft steps
-    per_layer = dict(per_layer_ms=(llm.cfg.n_layers + k) * t_build, per_layer_61_ms=(61 + k) * t_build)
-    return dict(build_ms=t_build, draft_meta_ms=t_draft, kernels=launches, once_ms=once, **per_layer)
-
-
-def metadata_cost(llm, k, big_bs, ctx):
-    """metadata_point at bs=1 and the largest batch (the engine builds it once per step)."""
-    res = {f"bs{bs}": metadata_point(llm, k, bs, ctx) for bs in (1, big_bs)}
-    table(
-        f"Metadata per decode round (mtp={k}, {ctx} context): once per step vs per layer and per draft step",
-        "bs | build ms | draft-step Meta ms (device) | kernels (build) | once/round ms | "
-        f"per layer ms ({llm.cfg.n_layers}+1 layers) | per layer ms (61+1 layers)",
-        [(b, *v.values()) for b, v in res.items()],
-    )
-    return res
+    cfg, cache, rows = llm.cfg, llm.cache.layer(0), []
+    H, C, R, K = cfg.n_heads // m.tp_size(), cfg.kv_lora_rank, cfg.qk_rope_head_dim, min(cfg.index_topk, ctx)
+    for T in (16, 64, 256):
+        gen = torch.Generator("cuda").manual_seed(T)
+        slots = 1 + torch.randperm(cache.latent.shape[0] - 1, device="cuda", generator=gen)[None, :ctx]
+        meta = m.Meta(
+            "decode",
+            torch.full((T,), ctx - 1, device="cuda"),
+            torch.zeros_like(slots[0, :T]),
+            slots,
+            [0, T],
+            ctx,
+        )
+        sel = torch.rand(T, ctx, device="cuda", generator=gen).argsort(-1)[:, :K]
+        q = torch.randn(T, H, C, device="cuda", generator=gen)
+        q_pe = torch.randn(T, H, R, device="cuda", generator=gen).to(m.BF16)
+        ms = cuda_time(
+            graph_of(functools.partial(kernels.sparse_mla, q, q_pe, cache, sel, meta, cfg.softmax_scale))
+        )
+        flops, gathered = 2 * T * H * K * (2 * C + R), T * K * m.KVCache.row_bytes(cfg)
+        rows.append((T, H, K, ms, flops / ms / 1e9, gathered / ms / 1e6))
+    title = f"Sparse MLA kernel alone (FP8 cache, {m.KVCache.row_bytes(cfg)} B a row; top-{K} of {ctx})"
+    table(title, "rows | heads | top-k | ms | TFLOPS | GB/s of rows gathered", rows)
+    return rows
 
 
 def time_prefill(args, model, tok_dir, extra):
@@ -319,7 +317,7 @@ def check_fits(layers, positions, free):
 
 
 def decode_mtp(args, model, tok_dir, k, points, bw, extra):
-    """Every point at k drafts, the bs=1 profile, CUDA graphs vs eager, at the largest k the metadata."""
+    """Every point at k drafts, the bs=1 profile, CUDA graphs vs eager, at the largest k the MLA kernel."""
     torch.cuda.empty_cache()
     positions = kv_positions(points, k)
     opts = dict(kv_cache_bytes=positions * m.KVCache.bytes_per_token(model.cfg), max_batch=max(args.batch))
@@ -346,8 +344,7 @@ def decode_mtp(args, model, tok_dir, k, points, bw, extra):
     versus = dict(eager_ms=eager_ms, graphs_ms=rows[0]["round_ms"], setup_s=t_setup, capture_s=sum(captures))
     extra[f"eager_vs_graphs_mtp{k}"] = dict(versus, graphs=len(graphs.graphs))
     if k == max(args.mtp):
-        big = max(args.batch)
-        extra["metadata"] = metadata_cost(llm, k, big, max(c for b, c in points if b == big))
+        extra["mla_kernel"] = mla_kernel(llm, args.contexts[0])
     llm.cfg.eos_token_id = eos
     del llm  # (its KV pool and CUDA graphs, before the next)
     gc.collect()
@@ -356,7 +353,7 @@ def decode_mtp(args, model, tok_dir, k, points, bw, extra):
 
 def decode(args, out):
     """Decode rounds on Config.full(--layers) with random FP8 weights: tokens/s and round time vs the HBM
-    roofline measured in the same run, per part, CUDA graphs vs eager, metadata once per step vs per layer."""
+    roofline measured in the same run, per part, CUDA graphs vs eager, the sparse MLA kernel's TFLOPS."""
     points = [(bs, ctx) for ctx in args.contexts for bs in args.batch if bs * ctx <= args.max_tokens]
     points += [(1, c) for c in args.long]
     refused = check_fits(args.layers, kv_positions(points, max(args.mtp)), torch.cuda.mem_get_info()[0])
