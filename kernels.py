@@ -300,7 +300,7 @@ def sparse_mla(q_abs, q_pe, cache, selected, meta, scale):
     out = torch.empty(T, H, C, dtype=BF16, device=q_abs.device)
     step = max(1, MLA_PARTIAL_BYTES // (splits * H * C * 4))  # rows per launch (independent of each other)
     config = dict(C=C, R=R, SPLITS=splits, CHUNK=MLA_CHUNK, BLOCK_H=block_h, BLOCK_N=MLA_BLOCK_N, num_warps=8)
-    config["num_stages"] = 3
+    config["num_stages"] = 3 if block_h >= 64 else 1  # (16-head tiles: the pipeline costs more than it hides)
     for t0 in range(0, T, step):
         rows = slice(t0, min(T, t0 + step))
         n = rows.stop - rows.start
