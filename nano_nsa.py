@@ -130,8 +130,9 @@ TINY |= dict(index_n_heads=4, index_topk=32)  # the indexer
 #              one rank; under torchrun a layer holds its rank's share of the weights and sums the parts.
 # The FP8 block format (spec 3.3): a weight W [out, in] is stored as float8_e4m3fn W8 with one float32 scale
 # per 128x128 block, W = W8 * scale (weight_dequant); an activation is quantized per row in 1x128 groups with
-# power-of-two scales (act_quant). fp8_linear multiplies the two, which is exact in fp32: on the GPU one
-# block-scaled FP8 GEMM (fp8_gemm.py), here dequantize both and multiply in fp64.
+# power-of-two scales (act_quant). fp8_linear multiplies the two: each product of FP8 values and power-of-two
+# scales is exact, only the sums round. On the GPU one block-scaled FP8 GEMM with fp32 sums (fp8_gemm.py),
+# here dequantize both and multiply in fp64.
 def pow2_ceil(x: torch.Tensor) -> torch.Tensor:
     """Smallest power of two >= x (x > 0 normal fp32), exactly, by the reference's exponent bit trick: a
     nonzero mantissa carries into the exponent, then the mantissa is cleared."""
@@ -393,9 +394,12 @@ class Meta:
     mode: str
     positions: torch.Tensor  # [T] absolute position of each row's token
     row_req: torch.Tensor  # [T] request (row of `table`) each row belongs to
-    table: torch.Tensor  # [B, W >= N] KV-pool slot of every context position of each request (page size 1)
+    table: (
+        torch.Tensor
+    )  # [B, W >= N] table[b, p]: the KV-pool slot of request b's position p (PagePool.table)
     cu_seqlens: list  # [B + 1] host: row offsets of each request
-    max_ctx: int  # host: a bound on every row's causal length (the width the indexer scores)
+    max_ctx: int  # host: a bound on every row's causal length, the width the indexer scores (exact for
+    # Meta.build; in a decode round the bound CudaGraphs.width rounds up, as the graph's shape)
     slots: torch.Tensor = None  # [T] slot each row's token is written to (default: its position's)
     ctx_lens: torch.Tensor = field(init=False)  # [T] each row's causal length: position + 1
 
@@ -430,7 +434,9 @@ class LayerCache:
     groups' power-of-two fp32 scales, then the rotated rope key in bf16: 512 + 16 + 128 = 656 bytes at full
     size, against 1152 for the same values in bf16. The three parts are typed views of the row's bytes."""
 
-    latent: torch.Tensor  # [S, C + C/32 + 2R] uint8: kv (fp8) | kv_scale (fp32) | pe (bf16)
+    # bytes [0, C): kv, C fp8 | [C, C + C/32): kv_scale, C/128 fp32 of 4 bytes | [C * 33/32, end): pe, R bf16
+    # (full size: 512 + 16 + 128 = 656; in bf16, (512 + 64) * 2 = 1152)
+    latent: torch.Tensor  # [S, C + C/32 + 2R] uint8
     ik: torch.Tensor  # [S, J] fp8   indexer key
     iks: torch.Tensor  # [S]    fp32  indexer key scale
     C: int  # kv_lora_rank
@@ -900,8 +906,9 @@ class Transformer(nn.Module):
 
 
 class KVCache:
-    """The KV pool of every layer (main layers, then MTP layers), addressed by slot: MLA's FP8 row
-    (LayerCache: 656 B/token/layer at full size), the indexer key (FP8, 128 B) and its fp32 scale."""
+    """The KV pool of every layer (main layers, then MTP layers), addressed by slot: `latent` [L, S,
+    row_bytes] uint8 holds MLA's whole row (LayerCache views it: 656 B/token/layer at full size), `ik` the
+    indexer key (FP8, 128 B) and `iks` its fp32 scale (4 B)."""
 
     def __init__(self, cfg: Config, num_slots: int, device="cpu"):
         L = cfg.n_layers + cfg.n_mtp_layers
@@ -912,7 +919,7 @@ class KVCache:
 
     @staticmethod
     def row_bytes(cfg: Config):
-        """MLA's cache row: C FP8 values, C/128 fp32 scales, R bf16 values."""
+        """Bytes of MLA's cache row: C FP8 values (1 byte each), C/128 fp32 scales (4), R bf16 values (2)."""
         return cfg.kv_lora_rank + cfg.kv_lora_rank // 32 + 2 * cfg.qk_rope_head_dim
 
     @staticmethod
@@ -1600,7 +1607,9 @@ class CudaGraphs:
     def run(self, batch: Batch, B, table, max_ctx):
         """Replay the round for the B requests of `batch` (the host's inputs, or the static ones the last
         replay left), with their page table and a bound on their contexts -> (the static inputs, which hold
-        the next round's after the replay, the round's outputs; rows past B are padding)."""
+        the next round's after the replay and which LLM keeps as its batch, so the next round of the same
+        requests copies nothing; the graph's own outputs, overwritten by its next replay; rows past B are
+        padding). Table columns past a row's context are never read: its length masks them."""
         s = self.static
         bs = next(b for b in self.buckets if b >= B)
         key = (bs, self.width(max_ctx), batch.sp.sampling)
@@ -1620,7 +1629,8 @@ class CudaGraphs:
 
     def capture(self, key):
         """Capture the round for (bucket, context bound, sampling), after a warm-up that builds its kernels,
-        on inputs every row of which writes the dummy slot 0; the static inputs are kept as they were."""
+        on inputs every row of which writes the dummy slot 0: the static inputs run just copied in are zeroed
+        for it, then restored."""
         t0 = time.perf_counter()
         (bs, width, sampling), s = key, self.static
         kept = [(t, t.clone()) for t in s.tensors() + [s.table] if t is not None]
@@ -1793,8 +1803,10 @@ class LLM:
     def prefill_mtp(self, chunks, h, meta, going):
         """The MTP layer over a prefill step's rows (its KV): position p pairs the main hidden h_p with the
         next token x_{p+1}. A request whose prompt is done (`going`: not finished) draws d_1 from its last
-        row; the other drafts of its first round repeat d_1 (drawn from a one-hot q: any q keeps acceptance
-        exact), and its chained draft steps start with that round's draft phase."""
+        row; its first round's other drafts are placeholders that repeat d_1 (drawn from a one-hot q: any q
+        keeps acceptance exact), as no chained MTP step runs at prefill: they start with that round's draft
+        phase. A request that finished at its first token feeds 0 (no token follows its prompt; that KV is
+        never read)."""
         next_tokens = [r.tokens[s + i + 1] if r.finish is None else 0 for r, s, n in chunks for i in range(n)]
         h = self.model.mtp_forward(torch.tensor(next_tokens, device=self.device), h, meta, self.cache)
         if not going:
@@ -1812,7 +1824,7 @@ class LLM:
     def decode(self, reqs):
         """One speculative round of `reqs`: launched from the inputs the last round left on the device while
         the batch stays the same, else (accepting the round in flight first) from the host's state."""
-        same = self.launched is not None and self.launched[0] == reqs
+        same = self.launched is not None and self.launched[0] == reqs  # the same Request objects, in order
         if not same:
             self.settle()
             self.batch = self.new_batch(reqs)
@@ -1826,13 +1838,15 @@ class LLM:
             settled, logits = speculative_round(self.model, self.cache, self.batch)
         if any(r.return_logits for r in reqs):  # (a CUDA graph's next replay overwrites them)
             logits = logits.clone()
-        previous, self.launched = self.launched, (reqs, start_read_back(settled), logits)  # (settle: None)
+        # round n+1 is queued; round n (`previous`: None right after a settle) is applied only now, so the
+        # host's bookkeeping runs while the GPU runs
+        previous, self.launched = self.launched, (reqs, start_read_back(settled), logits)
         if previous:
             self.apply(*previous)
 
     def new_batch(self, reqs):
-        """A round's inputs from the host's state: each request's last token, position and drafts (its table
-        and context bound are set at each round)."""
+        """A round's inputs from the host's state: each request's last token, position and drafts (table None
+        and context bound 0: decode or CudaGraphs.run sets them at each round)."""
         k = self.num_draft
         host = to_device(torch.tensor([[r.tokens[-1], r.num_cached] for r in reqs]), self.device)
         tokens = host[:, :1]
@@ -1843,12 +1857,13 @@ class LLM:
         if k and sp.sampling:  # a request drafted in a greedy batch drew its drafts from one-hot q
             V = self.cfg.vocab_size
             q = torch.stack([r.q if r.q is not None else F.one_hot(r.draft, V) for r in reqs])
-            q = q.to(acc_dtype(tokens))
+            q = q.to(acc_dtype(tokens))  # (acc_dtype reads only the device)
         live = torch.ones(len(reqs), dtype=torch.long, device=self.device)
         return Batch(tokens, host[:, 1].clone(), q, None, live, sp, 0)
 
     def settle(self):
-        """Accept the round in flight, if any, and keep each request's next drafts (the batch will change)."""
+        """Accept the round in flight, if any, and keep each request's next drafts: the round left them in
+        self.batch, which the next new_batch replaces, so they are copied into each Request."""
         if self.launched is None:
             return
         reqs = self.launched[0]
@@ -1860,8 +1875,10 @@ class LLM:
             r.q = self.batch.q[b].clone() if sampled else None
 
     def apply(self, reqs, read_back, logits):
-        """Apply a launched round to its requests (its one read-back): each emits its accepted tokens."""
-        for b, (r, row) in enumerate(zip(reqs, read_back(), strict=False)):  # (a graph's padding rows last)
+        """Apply a launched round to its requests (its one read-back): each emits its accepted tokens. A row
+        of the read-back is [e_0 .. e_k, count] (the emitted tokens, then how many are real); rows past
+        len(reqs) are a graph's padding, dropped by the zip."""
+        for b, (r, row) in enumerate(zip(reqs, read_back(), strict=False)):
             if r.finish is not None:  # it finished the round before (this round was in flight)
                 continue
             new = row[: row[-1]]
