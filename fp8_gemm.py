@@ -433,17 +433,18 @@ def dense_linear(x, w):
 def _head_rows(T, H, device):
     """head_linear's row map [H * Tp] and block heads for T rows, kept for decode-sized T (CUDA graphs read
     them) and, outside a capture, for the last longer T (the layers of one prompt chunk share it)."""
-    key, capturing = (T, H, device), torch.cuda.is_current_stream_capturing()
-    if key in _HEAD_ROWS and (T <= HEAD_ROWS_CACHED or not capturing):
+    key = (T, H, device)
+    kept = T <= HEAD_ROWS_CACHED or not torch.cuda.is_current_stream_capturing()  # (a capture makes its own)
+    if kept and key in _HEAD_ROWS:
         return _HEAD_ROWS[key]
     Tp = triton.cdiv(T, GEMM_BLOCK_M) * GEMM_BLOCK_M
     t = torch.arange(Tp, device=device)
     rows = torch.where(t < T, t * H + torch.arange(H, device=device)[:, None], -1).flatten()
     heads = torch.arange(H, device=device, dtype=torch.int32).repeat_interleave(Tp // GEMM_BLOCK_M)
-    if T > HEAD_ROWS_CACHED and not capturing:  # one longer T at a time (a capture makes its own)
+    if kept and T > HEAD_ROWS_CACHED:  # one longer T at a time
         for old in [k for k in _HEAD_ROWS if k[0] > HEAD_ROWS_CACHED]:
             del _HEAD_ROWS[old]
-    if T <= HEAD_ROWS_CACHED or not capturing:
+    if kept:
         _HEAD_ROWS[key] = (rows, heads)
     return rows, heads
 

@@ -94,7 +94,7 @@ def open_checkpoint(path, config_class):
     tensor's presence, shape and dtype against the official checkpoint's table: no weights read."""
     is_dir = isinstance(path, (str, os.PathLike)) and os.path.isdir(path)
     require(is_dir, f"model directory {path!r} does not exist (or is not a directory)")
-    cfg = config_class.from_json(path)
+    cfg = read_config(config_class, path)
     check_tensors(path, cfg)
     return cfg
 

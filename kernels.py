@@ -342,8 +342,7 @@ def _sparse_mla_blackwell(q_abs, q_pe, cache, selected, meta, scale):
         _BLACKWELL["workspace"] = torch.zeros(WORKSPACE_BYTES, dtype=torch.uint8, device=q_abs.device)
     q = torch.cat([q_abs.to(BF16), q_pe.to(BF16)], -1)[:, None]  # [T, 1, H, C + R]
     # the selected rows dequantized to bf16 (called here with a bf16 cache), as pages of one slot each
-    kv, pe = cache.kv[slots.clamp(min=0)], cache.pe[slots.clamp(min=0)]  # [T, W, C] fp8, [T, W, R]
-    kv = (kv.float().unflatten(-1, (-1, 128)) * cache.kv_scale[slots.clamp(min=0)][..., None]).flatten(-2)
+    kv, pe = cache.latents(slots.clamp(min=0))  # [T, W, C] fp32 (exact), [T, W, R] bf16
     rows = torch.cat([kv.to(BF16), pe], -1).view(T * W, 1, -1)
     slots = torch.where(slots >= 0, torch.arange(T * W, device=slots.device).view(T, W), -1)
     out = trtllm_batch_decode_with_kv_cache_mla(

@@ -394,9 +394,7 @@ class Meta:
     mode: str
     positions: torch.Tensor  # [T] absolute position of each row's token
     row_req: torch.Tensor  # [T] request (row of `table`) each row belongs to
-    table: (
-        torch.Tensor
-    )  # [B, W >= N] table[b, p]: the KV-pool slot of request b's position p (PagePool.table)
+    table: torch.Tensor  # [B, W >= N] table[b, p]: request b's position p's KV-pool slot (PagePool.table)
     cu_seqlens: list  # [B + 1] host: row offsets of each request
     max_ctx: int  # host: a bound on every row's causal length, the width the indexer scores (exact for
     # Meta.build; in a decode round the bound CudaGraphs.width rounds up, as the graph's shape)
