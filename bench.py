@@ -201,13 +201,13 @@ def allreduce_ms(replay):
     return sum(e.device_time_total for e in kernel_events(replay) if "nccl" in e.key.lower()) / 1e3
 
 
-def profile_replay(fn, n_layers, top=12):
+def profile_replay(fn, n_layers, bs, top=12):
     """Kernels of one replay of a graph by total device time: where a step's time goes."""
     ev = kernel_events(fn)
     n = sum(e.count for e in ev)
     ms = sum(e.device_time_total for e in ev) / 1e3
     rows = sorted(((e.key[:60], e.count, e.device_time_total / 1e3) for e in ev), key=lambda r: -r[2])[:top]
-    title = f"One replay of bench's bs=1 verify graph ({n_layers} layers): {n} kernels, {ms:.3f} kernel ms"
+    title = f"One replay of bench's bs={bs} verify graph ({n_layers} layers): {n} kernels, {ms:.3f} kernel ms"
     table(title, "kernel | launches | ms", rows)
     return dict(kernels=n, kernel_ms=ms, top=rows)
 
@@ -335,8 +335,10 @@ def decode_mtp(args, model, tok_dir, k, points, bw, extra):
         row, replay = measure_point(llm, k, bs, ctx, bw)
         rows.append(row)
         if bs == 1 and ctx == points[0][1]:
-            extra[f"profile_mtp{k}"] = profile_replay(replay, model.cfg.n_layers)
+            extra[f"profile_mtp{k}"] = profile_replay(replay, model.cfg.n_layers, bs)
             extra[f"round_mtp{k}"] = round_profile(llm, ctx, row["round_ms"], replay)
+        elif bs == max(args.batch) and ctx == points[0][1]:  # where the time of the largest batch goes
+            extra[f"profile_mtp{k}_bs{bs}"] = profile_replay(replay, model.cfg.n_layers, bs)
     graphs = llm.graphs
     llm.graphs = None  # CUDA graphs vs eager, bs=1 at the first context
     eager_ms, _ = time_rounds(llm, 1, args.contexts[0], rounds=4)
