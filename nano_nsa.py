@@ -899,8 +899,10 @@ class Transformer(nn.Module):
         return all_gather(self.head(h))  # fp32 [T, vocab] (vocabulary slices joined)
 
     @torch.inference_mode()
-    def mtp_forward(self, next_tokens, h, meta: Meta, cache: KVCache, mtp_layer=0):
-        return self.mtp[mtp_layer](next_tokens, h, meta, cache.layer(self.cfg.n_layers + mtp_layer))
+    def mtp_forward(self, next_tokens, h, meta: Meta, cache: KVCache):
+        """The first MTP layer: it makes every draft, chained (DeepSeek-V3.2 has one; a checkpoint with more
+        loads them unused, as a later layer would need its own KV of the prompt)."""
+        return self.mtp[0](next_tokens, h, meta, cache.layer(self.cfg.n_layers))
 
 
 class KVCache:
@@ -1534,9 +1536,8 @@ def draft(model, cache, h, logits, start, batch, k):
     for step in range(k):
         if step:
             meta = Meta("decode", start + (step - 1), rows, batch.table, list(range(B + 1)), batch.max_ctx)
-            layer = min(step, len(model.mtp) - 1)
-            h = model.mtp_forward(tokens[-1], h, meta, cache, layer)
-            logits = model.mtp[layer].logits(h)
+            h = model.mtp_forward(tokens[-1], h, meta, cache)
+            logits = model.mtp[0].logits(h)
         positions = start + (step + 1) if batch.sp.sampling else None  # (a greedy draft: an argmax)
         token, q = draw(model.ops, logits, batch.sp, positions, DRAFT)
         tokens.append(token)

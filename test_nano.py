@@ -1064,12 +1064,18 @@ def test_context_limit_of_the_model(tiny_dir):
         llm.generate([[7] * 163830], max_new_tokens=20)
 
 
-def test_mtp_drafts_match_recomputed_mtp(tiny_dir, monkeypatch):
+@pytest.mark.parametrize("mtp_layers", [1, 2])
+def test_mtp_drafts_match_recomputed_mtp(tiny_dir, tmp_path, monkeypatch, mtp_layers):
     """Draft-extend keeps the MTP layer's cache and hidden state right: every round's first draft equals the
     MTP argmax recomputed from scratch (main prefill over the final sequence, MTP over pairs (h_p, x_{p+1})),
-    and the second draft equals one chained MTP step at the next position."""
-    llm = make_llm(tiny_dir, 2)
-    cfg = m.Config.tiny()
+    and the second draft equals one chained MTP step at the next position. A checkpoint with two MTP layers
+    drafts with the first one only (the second has no KV of the prompt to attend to)."""
+    cfg = m.Config.tiny(n_mtp_layers=mtp_layers)
+    if mtp_layers == 1:
+        llm = make_llm(tiny_dir, 2)
+    else:
+        save_random_checkpoint(str(tmp_path), cfg, seed=3)
+        llm = m.LLM(str(tmp_path), device="cpu", mtp=2)
     records = []
     orig = m.draft
 
