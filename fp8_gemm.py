@@ -332,8 +332,30 @@ def _combine_kernel(o_ptr, pos_ptr, w_ptr, y_ptr, D, A: tl.constexpr, BLOCK: tl.
 
 
 @triton.jit
-def _moe_layout_kernel(
+def _mark_padding(token_ptr, live_ptr, first, R, stride):
+    """-1 in token and live for rows first, first + 1024 .. of every stride (all rows by the launch's
+    programs); the pairs' rows are overwritten after."""
+    for r0 in range(first * 1024, R, stride * 1024):
+        r = r0 + tl.arange(0, 1024)
+        tl.store(token_ptr + r, tl.full([1024], -1, tl.int64), mask=r < R)
+        tl.store(live_ptr + r, tl.full([1024], -1, tl.int64), mask=r < R)
+
+
+@triton.jit
+def _moe_count_kernel(idx_ptr, hist_ptr, token_ptr, live_ptr, P, R, E_PAD: tl.constexpr, BLK: tl.constexpr):
+    """Program b: the expert histogram of pairs [b * BLK, (b + 1) * BLK) (idx as the router wrote it, int64),
+    and its share of the padding marks."""
+    b = tl.program_id(0)
+    p = b * BLK + tl.arange(0, BLK)
+    e = tl.load(idx_ptr + p, mask=p < P, other=0).to(tl.int32)
+    tl.store(hist_ptr + b * E_PAD + tl.arange(0, E_PAD), tl.histogram(e, E_PAD, mask=p < P))
+    _mark_padding(token_ptr, live_ptr, b, R, tl.num_programs(0))
+
+
+@triton.jit
+def _moe_place_kernel(
     idx_ptr,
+    hist_ptr,
     token_ptr,
     live_ptr,
     pos_ptr,
@@ -341,40 +363,51 @@ def _moe_layout_kernel(
     P,
     R,
     n_blocks,
+    NB,
     A: tl.constexpr,
     E: tl.constexpr,
     E_PAD: tl.constexpr,
     BM: tl.constexpr,
-    BLOCK: tl.constexpr,
+    BLK: tl.constexpr,
+    SUB: tl.constexpr,
+    ONE: tl.constexpr,
 ):
-    """One program lays out the P = T * A (token, choice) pairs for the grouped GEMMs: sorted by expert (in
-    pair order within one) into blocks of BM rows, each expert's padded to whole blocks. Writes token[r]
-    (sorted row r's token) and live[r] (r), both -1 for padding, pos[p] (pair p's row) and expert[b] (block
-    b's expert, -1: none). idx E (another rank's expert) sorts last, as -1. E_PAD: E + 1 rounded up to a power
-    of two; BLOCK: pairs per step."""
+    """Program b places pairs [b * BLK, (b + 1) * BLK) of the P = T * A (token, choice) pairs for the grouped
+    GEMMs: rows sorted by expert (in pair order within one) into blocks of BM rows, each expert's padded to
+    whole blocks. Expert e's rows start at its padded offset (from the NB blocks' histograms), then come its
+    pairs of earlier blocks, then this block's in order. Writes pos[p] (pair p's row), token[row] and
+    live[row], and the expert of its share of the GEMM blocks (-1: none). idx E (another rank's expert) sorts
+    last, as -1. E_PAD: E + 1 rounded up to a power of two; SUB: pairs per step. ONE: the only block, which
+    counts its pairs and marks the padding itself (one launch instead of two)."""
+    b = tl.program_id(0)
     bins = tl.arange(0, E_PAD)
-    counts = tl.zeros([E_PAD], tl.int32)
-    for p0 in range(0, P, BLOCK):
-        p = p0 + tl.arange(0, BLOCK)
-        e = tl.load(idx_ptr + p, mask=p < P, other=0).to(tl.int32)  # idx as the router wrote it: int64
-        counts += tl.histogram(e, E_PAD, mask=p < P)
-    padded = (counts + BM - 1) // BM * BM
+    if ONE:
+        every = tl.arange(0, BLK)  # (names of their own: a loop below must not see them as its variables)
+        choices = tl.load(idx_ptr + every, mask=every < P, other=0).to(tl.int32)
+        total = tl.histogram(choices, E_PAD, mask=every < P)
+        before = tl.zeros([E_PAD], tl.int32)
+        _mark_padding(token_ptr, live_ptr, 0, R, 1)
+        tl.debug_barrier()  # every padding mark is written before the pairs' rows overwrite theirs
+    else:
+        total = tl.zeros([E_PAD], tl.int32)
+        before = tl.zeros([E_PAD], tl.int32)
+        for c0 in range(0, NB, 8):  # the histograms, 8 blocks at a time
+            c = c0 + tl.arange(0, 8)
+            h = tl.load(hist_ptr + c[:, None] * E_PAD + bins[None, :], mask=(c < NB)[:, None], other=0)
+            total += tl.sum(h, 0)
+            before += tl.sum(tl.where((c < b)[:, None], h, 0), 0)
+    padded = (total + BM - 1) // BM * BM
     pad_end = tl.cumsum(padded, 0)  # expert e's rows: [pad_end[e] - padded[e], pad_end[e])
-    for b0 in range(0, n_blocks, BLOCK):
-        b = b0 + tl.arange(0, BLOCK)
-        e = tl.sum((pad_end[None, :] <= b[:, None] * BM).to(tl.int32), 1)  # the expert holding row b * BM
-        tl.store(expert_ptr + b, tl.where(e < E, e, -1), mask=b < n_blocks)
-    for r0 in range(0, R, 1024):
-        r = r0 + tl.arange(0, 1024)
-        tl.store(token_ptr + r, tl.full([1024], -1, tl.int64), mask=r < R)
-        tl.store(live_ptr + r, tl.full([1024], -1, tl.int64), mask=r < R)
-    tl.debug_barrier()  # every padding row is written before the pairs' rows overwrite theirs
-    placed = pad_end - padded  # the next free row of each expert
-    for p0 in range(0, P, BLOCK):
-        p = p0 + tl.arange(0, BLOCK)
+    for q0 in range(b * SUB, n_blocks, NB * SUB):  # this program's share of the blocks' experts
+        q = q0 + tl.arange(0, SUB)
+        e = tl.sum((pad_end[None, :] <= q[:, None] * BM).to(tl.int32), 1)  # the expert holding row q * BM
+        tl.store(expert_ptr + q, tl.where(e < E, e, -1), mask=q < n_blocks)
+    placed = pad_end - padded + before  # the next free row of each expert
+    for p0 in range(b * BLK, tl.minimum(b * BLK + BLK, P), SUB):
+        p = p0 + tl.arange(0, SUB)
         e = tl.load(idx_ptr + p, mask=p < P, other=E_PAD).to(tl.int32)
-        mine = e[:, None] == bins[None, :]  # [BLOCK, E_PAD] one-hot
-        earlier = (e[:, None] == e[None, :]) & (p[None, :] < p[:, None])  # same expert, before in this block
+        mine = e[:, None] == bins[None, :]  # [SUB, E_PAD] one-hot
+        earlier = (e[:, None] == e[None, :]) & (p[None, :] < p[:, None])  # same expert, before in this step
         row = tl.sum(tl.where(mine, placed[None, :], 0), 1) + tl.sum(earlier.to(tl.int32), 1)
         tl.store(pos_ptr + p, row.to(tl.int64), mask=p < P)
         tl.store(token_ptr + row, (p // A).to(tl.int64), mask=p < P)
@@ -383,8 +416,11 @@ def _moe_layout_kernel(
 
 
 def moe_layout(idx, E):
-    """_moe_layout_kernel's outputs for expert choices idx [T, A] of E experts: (token [R], live [R], pos
-    [T * A], expert [R / GEMM_BLOCK_M]), R an upper bound on the padded rows known on the host (no sync)."""
+    """The grouped GEMMs' layout for expert choices idx [T, A] of E experts: (token [R], live [R], pos
+    [T * A], expert [R / GEMM_BLOCK_M]), R an upper bound on the padded rows known on the host (no sync).
+    Up to 128 pairs: one program; more: blocks of pairs counted, then placed, in two launches of at most 128
+    programs (one program laying out 2048 pairs alone took 160 us, now 18). The layout is the same whatever
+    the blocks."""
     T, A = idx.shape
     P = T * A
     bm = GEMM_BLOCK_M
@@ -393,15 +429,21 @@ def moe_layout(idx, E):
     live = torch.empty_like(token)
     pos = torch.empty(P, dtype=torch.int64, device=idx.device)
     experts = torch.empty(n_blocks, dtype=torch.int32, device=idx.device)
-    layout = (idx.contiguous(), token, live, pos, experts, P, len(token), n_blocks)
     E_PAD = triton.next_power_of_2(E + 1)
-    _moe_layout_kernel[(1,)](*layout, A=A, E=E, E_PAD=E_PAD, BM=bm, BLOCK=32, num_warps=4)
+    blk = max(128, triton.next_power_of_2(triton.cdiv(P, 128)))
+    nb = triton.cdiv(P, blk)
+    hist = torch.empty(nb if nb > 1 else 0, E_PAD, dtype=torch.int32, device=idx.device)
+    idx = idx.contiguous()
+    if nb > 1:
+        _moe_count_kernel[(nb,)](idx, hist, token, live, P, len(token), E_PAD=E_PAD, BLK=blk, num_warps=4)
+    shape = dict(A=A, E=E, E_PAD=E_PAD, BM=bm, BLK=blk, SUB=32, ONE=nb == 1, num_warps=4)
+    _moe_place_kernel[(nb,)](idx, hist, token, live, pos, experts, P, len(token), n_blocks, nb, **shape)
     return token, live, pos, experts
 
 
 def moe_grouped(x, weights, idx, w13, s13, w2, s2):
     """Kernel of nano_nsa.moe on the experts' stacks (w13 [E, 2I, dim] = w1 | w3), with no host sync: the
-    (token, expert) pairs sorted into blocks of GEMM_BLOCK_M rows of one expert each (_moe_layout_kernel); a
+    (token, expert) pairs sorted into blocks of GEMM_BLOCK_M rows of one expert each (moe_layout); a
     grouped FP8 GEMM for w1|w3, SwiGLU in the act-quant, a grouped GEMM for w2, then each token's rows summed
     in choice order. Batch-invariant: one tile height, no split-K, no atomics. idx E (another rank's expert)
     falls in blocks of expert -1, which the GEMMs skip."""

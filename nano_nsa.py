@@ -332,8 +332,8 @@ def yarn_frequencies(cfg: Config):
 def rope_cos_sin(cfg: Config, positions: torch.Tensor):
     """cos/sin of theta[t, i] = fp32(t) * f'_i, each [T, R/2] fp32. (YaRN's mscale goes into the softmax
     scale.)"""
-    key = (cfg.qk_rope_head_dim, cfg.rope_theta, cfg.rope_factor, cfg.original_seq_len, cfg.max_seq_len)
-    key += (cfg.beta_fast, cfg.beta_slow, positions.device)
+    key = (cfg.qk_rope_head_dim, cfg.rope_theta, cfg.rope_factor, cfg.original_seq_len, cfg.beta_fast)
+    key += (cfg.beta_slow, positions.device)  # (the fields yarn_frequencies reads)
     if key not in _FREQS:  # once per device: a CUDA graph cannot copy from the host
         _FREQS[key] = yarn_frequencies(cfg).to(positions.device)
     theta = positions.float()[:, None] * _FREQS[key][None, :]

@@ -2737,10 +2737,23 @@ def _moe_layout_reference(idx, E, block):
 
 
 @gpu
-@pytest.mark.parametrize("T,A,E", [(1, 8, 256), (4, 8, 256), (300, 8, 256), (7, 2, 8), (2048, 8, 256)])
+@pytest.mark.parametrize(
+    "T,A,E",
+    [
+        (1, 8, 256),
+        (4, 8, 256),
+        (16, 8, 256),
+        (17, 8, 256),
+        (300, 8, 256),
+        (7, 2, 8),
+        (2048, 8, 256),
+        (5000, 8, 256),
+    ],
+)
 def test_gpu_moe_layout_kernel_is_the_sorted_layout(T, A, E):
-    """The one-launch layout of kernels.moe (counts, padded offsets, each pair's row, each block's expert) is
-    exactly the written-out layout, with a third of the choices another rank's expert (idx E)."""
+    """The layout of kernels.moe (counts, padded offsets, each pair's row, each block's expert) is exactly the
+    written-out layout, with a third of the choices another rank's expert (idx E): one program (up to 128
+    pairs) or blocks of 128 or more pairs counted, then placed."""
     import kernels
 
     gen = torch.Generator("cuda").manual_seed(T)
