@@ -430,7 +430,7 @@ def moe_layout(idx, E):
     pos = torch.empty(P, dtype=torch.int64, device=idx.device)
     experts = torch.empty(n_blocks, dtype=torch.int32, device=idx.device)
     E_PAD = triton.next_power_of_2(E + 1)
-    blk = max(128, triton.next_power_of_2(triton.cdiv(P, 128)))
+    blk = triton.next_power_of_2(max(32, min(P, 128), triton.cdiv(P, 128)))  # one block iff P <= 128
     nb = triton.cdiv(P, blk)
     hist = torch.empty(nb if nb > 1 else 0, E_PAD, dtype=torch.int32, device=idx.device)
     idx = idx.contiguous()
