@@ -333,8 +333,8 @@ def _combine_kernel(o_ptr, pos_ptr, w_ptr, y_ptr, D, A: tl.constexpr, BLOCK: tl.
 
 @triton.jit
 def _mark_padding(token_ptr, live_ptr, first, R, stride):
-    """-1 in token and live for rows first, first + 1024 .. of every stride (all rows by the launch's
-    programs); the pairs' rows are overwritten after."""
+    """-1 in token and live for the 1024-row blocks first, first + stride, ... (stride programs together mark
+    all R rows); the pairs' rows are written over them after."""
     for r0 in range(first * 1024, R, stride * 1024):
         r = r0 + tl.arange(0, 1024)
         tl.store(token_ptr + r, tl.full([1024], -1, tl.int64), mask=r < R)
