@@ -979,7 +979,7 @@ TORCH_OPS = SimpleNamespace(
     prepare=dequantize_weights,  # the weights as the ops read them, once at load (Transformer.bind)
     attn_dtype=acc_dtype,  # dtype of wkv_b's absorbed halves (exact: pow2-scaled FP8 fits bf16)
     dense_dtype=lambda w: w.dtype,  # dtype plain Linear weights are kept in (kernels: bf16, as stored)
-)
+)  # (Part 2 adds the engine's sampling ops, uniform, sample and probs_from_logits, where it explains them)
 
 
 def select_ops(kernels, device):
