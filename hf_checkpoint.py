@@ -320,12 +320,27 @@ MTP_OWN = {"embed_tokens", "enorm", "hnorm", "eh_proj", "shared_head"}  # MTP-la
 
 def ours_name(n_layers, hf_name: str) -> str:
     """Our parameter name of a checkpoint tensor (of a model with n_layers main layers; routed experts keep
-    their index: nano_nsa.load_target stacks them)."""
+    their index: load_target stacks them)."""
     parts = hf_name.removeprefix("model.").split(".")
     if parts[0] == "layers" and int(parts[1]) >= n_layers:  # MTP layer: its decoder block is `block`
         block = [] if parts[2] in MTP_OWN else ["block"]
         parts = ["mtp", str(int(parts[1]) - n_layers)] + block + parts[2:]
     return ".".join(HF_TO_OURS.get(p, p) for p in parts)
+
+
+def load_target(params, cfg, hf_name: str, rank=0, ranks=1):
+    """The model tensor (of `params`) a checkpoint tensor is loaded into: its parameter, or for a routed
+    expert its place in the stack of rank `rank` of `ranks` (layers.3.ffn.experts.5.w1.weight ->
+    layers.3.ffn.experts.w1.weight[5 - the rank's first]); None for another rank's expert."""
+    parts = ours_name(cfg.n_layers, hf_name).split(".")
+    if "experts" not in parts:
+        return params[".".join(parts)]
+    at = parts.index("experts") + 1  # the expert's index follows
+    per_rank = cfg.n_routed_experts // ranks
+    index = int(parts.pop(at)) - rank * per_rank
+    if not 0 <= index < per_rank:
+        return None
+    return params[".".join(parts)][index]
 
 
 # ---- The shards: the index and every header, checked against the table (no weights read) ----------------

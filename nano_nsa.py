@@ -1055,21 +1055,6 @@ def rank_slice(full, part):
 
 
 # ---- Loader: reads any DeepSeek-V3.2 checkpoint directory shard by shard, validating every tensor ----------
-def load_target(params, cfg: Config, hf_name: str):
-    """The model tensor a checkpoint tensor is loaded into: its parameter, or for a routed expert its place in
-    this rank's stack (layers.3.ffn.experts.5.w1.weight -> layers.3.ffn.experts.w1.weight[5 - this rank's
-    first]); None for another rank's expert."""
-    parts = hf_checkpoint.ours_name(cfg.n_layers, hf_name).split(".")
-    if "experts" not in parts:
-        return params[".".join(parts)]
-    at = parts.index("experts") + 1  # the expert's index follows
-    per_rank = cfg.n_routed_experts // tp_size()
-    index = int(parts.pop(at)) - tp_rank() * per_rank
-    if not 0 <= index < per_rank:
-        return None
-    return params[".".join(parts)][index]
-
-
 def load_model(path, device="cpu", kernels="auto", cfg=None) -> Transformer:
     """Load a DeepSeek-V3.2 HF checkpoint directory (cfg: its config, if the caller has opened it). FP8
     weights stay FP8; norms, router bias, weights_proj and the heads are upcast to fp32 one tensor at a
@@ -1089,7 +1074,7 @@ def load_model(path, device="cpu", kernels="auto", cfg=None) -> Transformer:
         for file in files:
             with safe_open(file, "pt", device="cpu") as f:
                 for name in f.keys():
-                    target = load_target(params, cfg, name)
+                    target = hf_checkpoint.load_target(params, cfg, name, tp_rank(), tp_size())
                     if target is None:  # another rank's expert: not read
                         continue
                     part = f.get_slice(name)

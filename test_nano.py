@@ -208,7 +208,7 @@ def test_full_width_model_matches_checkpoint_table():
     params = dict(model.named_parameters())
     filled = dict.fromkeys(params, 0)
     for k, (shape, _kind) in hf.checkpoint_tensors(cfg).items():
-        assert list(m.load_target(params, cfg, k).shape) == shape, k
+        assert list(hf.load_target(params, cfg, k).shape) == shape, k
         owner = re.sub(r"\.experts\.\d+\.", ".experts.", hf.ours_name(cfg.n_layers, k))
         filled[owner] += math.prod(shape)
     assert filled == {k: p.numel() for k, p in params.items()}
@@ -238,7 +238,7 @@ def test_write_load_round_trip_exact(tiny_dir, model):
     for file in files:
         for name, t in load_file(os.path.join(tiny_dir, file)).items():
             assert index["weight_map"][name] == file
-            p = m.load_target(params, model.cfg, name)
+            p = hf.load_target(params, model.cfg, name)
             kind = expected[name][1]
             assert p.dtype == {"fp8": torch.float8_e4m3fn, "scale": torch.float32}.get(kind, p.dtype)
             assert torch.equal(p.float(), t.float()), name  # bit-exact, upcasts are exact
@@ -313,7 +313,7 @@ def test_fp8_block_dequant_matches_source(model):
     for name, (shape, kind) in hf.checkpoint_tensors(cfg).items():
         if kind != "fp8" or ".experts." in name and ".experts.0." not in name:
             continue
-        w8, s = m.load_target(params, cfg, name), m.load_target(params, cfg, name + "_scale_inv")
+        w8, s = hf.load_target(params, cfg, name), hf.load_target(params, cfg, name + "_scale_inv")
         assert torch.equal(s, 2.0 ** torch.log2(s).round()), f"{name}: scales are not powers of two"
         src = random_weight(name, shape, kind, seed=0)
         deq = m.weight_dequant(w8, s)
