@@ -12,6 +12,7 @@ The FP8 act-quant, GEMMs and grouped MoE live in fp8_gemm.py, re-exported here. 
 imported by these two modules only: nano_nsa imports this one on a CUDA device alone.
 """
 
+import gc
 from types import SimpleNamespace
 
 import torch
@@ -988,6 +989,38 @@ def probs_from_logits(logits, temperature, top_p):
     return out.view(shape)
 
 
+# ---- The engine's GPU mechanics: CUDA graph capture and the read-back of a round ----
+def capture(fn, pool):
+    """fn() captured as a CUDA graph after one eager run (which builds and autotunes its kernels) -> (the
+    graph, fn's outputs, which each replay overwrites). pool: the memory pool the graph shares (None for the
+    first: graph.pool() is then the one to share)."""
+    fn()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    gc.disable()  # an old engine's graphs, freed by the collector during a capture, would break it
+    try:
+        with torch.cuda.graph(graph, pool):
+            out = fn()
+    finally:
+        gc.enable()
+    return graph, out
+
+
+def read_back(x):
+    """Kernel of nano_nsa.read_back: start copying x to pinned host memory -> a function that waits for that
+    copy (an event: work queued after it need not finish) and returns x.tolist()."""
+    host = torch.empty(x.shape, dtype=x.dtype, pin_memory=True)
+    host.copy_(x, non_blocking=True)
+    copied = torch.cuda.Event()
+    copied.record()
+
+    def wait():
+        copied.synchronize()
+        return host.tolist()
+
+    return wait
+
+
 # ---- The kernel set: the names and signatures of nano_nsa.TORCH_OPS ----
 def bf16_dtype(w):
     """bf16, whatever w's dtype: attn_dtype (wkv_b's absorbed halves) and dense_dtype (plain weights)."""
@@ -1017,6 +1050,8 @@ GPU_OPS = SimpleNamespace(
     uniform=uniform,
     sample=sample,
     probs_from_logits=probs_from_logits,
+    read_back=read_back,
+    capture=capture,
     attn_dtype=bf16_dtype,
     dense_dtype=bf16_dtype,
 )

@@ -21,7 +21,6 @@ Dimension legend used in shape comments:
 from __future__ import annotations
 
 import functools
-import gc
 import math
 import os
 import sys
@@ -1531,22 +1530,13 @@ def draft(model, cache, h, logits, start, batch, k):
     return torch.stack(tokens, 1), q
 
 
-def start_read_back(x):
-    """Start copying x to the host without waiting -> a function that waits for the copy and returns
-    x.tolist() (CUDA: pinned memory and an event, so that work queued after the copy need not finish
-    first)."""
-    if x.device.type != "cuda":
-        return x.tolist
-    host = torch.empty(x.shape, dtype=x.dtype, pin_memory=True)
-    host.copy_(x, non_blocking=True)
-    copied = torch.cuda.Event()
-    copied.record()
+def read_back(x):
+    """The host's copy of a round's result x, for later -> a function returning x.tolist() (kernels.read_back
+    starts the copy now and waits for it only when called: the host queues the next round in between)."""
+    return x.tolist
 
-    def wait():
-        copied.synchronize()
-        return host.tolist()
 
-    return wait
+TORCH_OPS.read_back = read_back  # (the kernel boundary's last engine op)
 
 
 # ---- CUDA graphs: the speculative round captured per batch-size bucket -------------------------------------
@@ -1623,15 +1613,8 @@ class CudaGraphs:
         q = s.q[:bs] if sampling and s.q is not None else None  # (k = 0: no drafts)
         sp = Sampling(s.sp.seeds[:bs], s.sp.temperature[:bs], s.sp.top_p[:bs], sampling)
         batch = Batch(s.tokens[:bs], s.start[:bs], q, s.table[:bs, :width], s.live[:bs], sp, width)
-        speculative_round(self.model, self.cache, batch)  # warm-up: compiles and autotunes kernels
-        torch.cuda.synchronize()
-        graph = torch.cuda.CUDAGraph()
-        gc.disable()  # an old engine's graphs, freed by the collector during a capture, would break it
-        try:
-            with torch.cuda.graph(graph, self.pool):
-                out = speculative_round(self.model, self.cache, batch)
-        finally:
-            gc.enable()
+        round_ = functools.partial(speculative_round, self.model, self.cache, batch)
+        graph, out = self.model.ops.capture(round_, self.pool)  # (kernels.capture: after a warm-up run)
         for t, saved in kept:
             t.copy_(saved)
         self.pool = self.pool or graph.pool()
@@ -1824,7 +1807,7 @@ class LLM:
             logits = logits.clone()
         # round n+1 is queued; round n (`previous`: None right after a settle) is applied only now, so the
         # host's bookkeeping runs while the GPU runs
-        previous, self.launched = self.launched, (reqs, start_read_back(settled), logits)
+        previous, self.launched = self.launched, (reqs, self.model.ops.read_back(settled), logits)
         if previous:
             self.apply(*previous)
 
