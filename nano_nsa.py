@@ -811,11 +811,7 @@ class Block(nn.Module):
         self.ffn = MoE(cfg) if moe else MLP(cfg.dim, cfg.inter_dim)
 
     def forward(self, x, residual, cos, sin, meta, cache):
-        if residual is None:
-            residual = x
-            x = self.attn_norm(x)
-        else:
-            x, residual = self.attn_norm(x, residual)
+        x, residual = self.attn_norm(x, residual)  # x: the last block's FFN half (the first: the embedding)
         # Each half's output is a sum of every rank's part, in fp32 (CPU: fp64), rounded to bf16 once, by the
         # norm that takes it: as at one rank (the reference all-reduces bf16 parts, which makes the tokens
         # depend on the number of ranks)
@@ -846,7 +842,9 @@ class MTP(nn.Module):
         dim]. (vLLM zeroes the embedding at position 0; SGLang and this engine do not.)"""
         cos, sin = rope_cos_sin(self.cfg, meta.positions)
         u = self.eh_proj(torch.cat([self.enorm(self.embed(next_tokens)), self.hnorm(h)], -1)).to(BF16)
-        x, residual = self.block(u, None, cos, sin, meta, cache)
+        x, residual = self.block(
+            u, torch.zeros_like(u), cos, sin, meta, cache
+        )  # (a residual stream of its own)
         return self.shared_head.norm(x, residual)[0]  # also the input of the next draft step
 
     def logits(self, h):
@@ -889,7 +887,7 @@ class Transformer(nn.Module):
         consumes)."""
         cos, sin = rope_cos_sin(self.cfg, meta.positions)
         h = self.embed(tokens)
-        residual = None
+        residual = torch.zeros_like(h)  # the residual stream, which the first block's norm adds h to
         for i, layer in enumerate(self.layers):
             h, residual = layer(h, residual, cos, sin, meta, cache.layer(i))
         return self.norm(h, residual)[0]

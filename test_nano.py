@@ -657,7 +657,9 @@ def test_mtp_layer_matches_spec(model):
     ).to(torch.bfloat16)
     cache2 = m.KVCache(cfg, 512)
     cos, sin = m.rope_cos_sin(cfg, meta.positions)
-    x, res = mtp.block(u, None, cos, sin, meta, cache2.layer(cfg.n_layers))  # x: the FFN half's unrounded sum
+    x, res = mtp.block(
+        u, torch.zeros_like(u), cos, sin, meta, cache2.layer(cfg.n_layers)
+    )  # x: the FFN half's unrounded sum
     want_h = rms(x.to(torch.bfloat16).float() + res.float(), mtp.shared_head.norm.weight)
     want = (want_h.double() @ model.head.weight.double().T).float()  # shared_head.head == lm_head copy
     assert torch.equal(got_h, want_h)
