@@ -58,21 +58,21 @@ def check_engine_args(args):
             check_arg(name, args[name], int, low)
 
 
-def gpu_kernels_wanted(kernels, device):
-    """Whether to bind kernels.py's GPU ops: kernels 'torch' never, 'gpu' always (an error where they cannot
-    run), 'auto' on a GPU that supports them."""
+def gpu_ops(kernels, device):
+    """kernels.GPU_OPS where they are wanted, else None: kernels 'torch' never, 'gpu' always (an error where
+    they cannot run), 'auto' on a GPU that supports them."""
     require(
         kernels in ("auto", "torch", "gpu"), f"kernels must be 'auto', 'torch' or 'gpu' (got {kernels!r})"
     )
     on_gpu = torch.device(device).type == "cuda"
     if kernels == "torch" or (kernels == "auto" and not on_gpu):
-        return False
+        return None
     require(on_gpu, f"kernels='gpu' needs a CUDA device (got {device})")
     import kernels as gpu_kernels  # Triton + flashinfer: imported only on the GPU path
 
     why = gpu_kernels.unsupported(torch.device(device))
     require(not why or kernels != "gpu", f"the GPU kernels cannot run here: {why}")
-    return not why
+    return None if why else gpu_kernels.GPU_OPS
 
 
 def check_device(device):
@@ -104,6 +104,15 @@ def check_pool_bytes(kv_cache_bytes, page_bytes, device):
     )
     too_big = f"kv_cache_bytes={kv_cache_bytes}: more than the {memory} bytes of {device.type} memory"
     require(kv_cache_bytes <= memory, too_big)
+
+
+def pool_bytes(kv_cache_bytes, device):
+    """The KV pool's size: kv_cache_bytes, or CPU 256 MiB, GPU 80% of what is free (after loading)."""
+    if kv_cache_bytes is not None:
+        return kv_cache_bytes
+    if device.type == "cuda":
+        return int(torch.cuda.mem_get_info(device)[0] * 0.8)
+    return 256 << 20
 
 
 def weight_bytes(cfg, model_class, ranks):
@@ -200,6 +209,18 @@ def check_generate_args(prompts, args, on_tokens):
         check_arg(name, args[name], bool)
     require(on_tokens is None or callable(on_tokens), f"on_tokens must be a function (got {on_tokens!r:.80})")
     return list(prompts)
+
+
+def prompt_seeds(seed, n, device):
+    """generate's seed as one per prompt, in [0, 2^63): a list as given; one seed s: s + i for prompt i; None:
+    a fresh one, the same on every rank."""
+    if seed is None:
+        fresh = torch.tensor([int.from_bytes(os.urandom(6), "little")], device=device)
+        if dist.is_initialized():
+            dist.all_reduce(fresh, dist.ReduceOp.MAX)
+        seed = int(fresh)
+    seeds = seed if isinstance(seed, (list, tuple)) else [seed + i for i in range(n)]
+    return [s % 2**63 for s in seeds]
 
 
 def check_prompt(i, ids, max_new, vocab_size, max_context, capacity, lookahead):

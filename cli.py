@@ -92,6 +92,18 @@ class TextStream:
             self.printed = text
 
 
+def summary(reqs, seconds, rounds, preemptions, num_draft):
+    """LLM.stats: a generate's speed, decode rounds, preemptions and MTP acceptance."""
+    tokens = sum(len(r.generated) for r in reqs)
+    accepts = [a for r in reqs for a in r.accept_lengths]
+    stats = dict(tokens=tokens, seconds=seconds, tokens_per_s=tokens / seconds, decode_rounds=rounds)
+    stats.update(preemptions=preemptions, mean_accept_length=None, accept_histogram={})
+    if accepts:
+        stats["mean_accept_length"] = sum(accepts) / len(accepts)
+        stats["accept_histogram"] = {n: accepts.count(n) for n in range(1, num_draft + 2)}
+    return stats
+
+
 def print_results(args, prompts, results, stats, streamed):
     if args.json:
         rows = [

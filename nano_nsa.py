@@ -183,9 +183,7 @@ def fp8_linear(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, partial=Fa
     if scale is not None:
         w = weight_dequant(w, scale)
     y = F.linear(act_dequant(*act_quant(x)).to(acc), w.to(acc))
-    if partial:
-        return y
-    return y.to(BF16)
+    return y if partial else y.to(BF16)
 
 
 def dense_linear(x, w):
@@ -204,7 +202,6 @@ class Linear(nn.Module):
     this rank holds out / ranks rows, 'row' in / ranks columns (the output is a partial sum the caller
     all-reduces), None all of it."""
 
-    ops = None  # bound once by Transformer.bind (fp8_linear / dense_linear)
     dequantized = None  # the weight dequantized (FP8) or widened (plain) at bind, for the references
 
     def __init__(self, in_features, out_features, fp8=True, dtype=BF16, n=None, split=None):
@@ -218,11 +215,8 @@ class Linear(nn.Module):
             in_features //= tp_size()
         stack = [n] if n else []
         self.weight = param(*stack, out_features, in_features, dtype=FP8 if fp8 else dtype)
-        self.scale = None
-        if fp8:
-            self.scale = param(
-                *stack, -(-out_features // BLOCK), -(-in_features // BLOCK), dtype=torch.float32
-            )
+        blocks = (-(-out_features // BLOCK), -(-in_features // BLOCK))  # 128x128 blocks, edge blocks cut
+        self.scale = param(*stack, *blocks, dtype=torch.float32) if fp8 else None
 
     def forward(self, x):
         weight, scale = self.operands()
@@ -281,8 +275,6 @@ def rms_norm(x, residual, weight, eps):
 
 
 class RMSNorm(nn.Module):
-    ops = None  # bound once by Transformer.bind (rms_norm)
-
     def __init__(self, dim, eps):
         super().__init__()
         self.eps = eps
@@ -518,8 +510,6 @@ def index_topk(q8, qs, weights, scale, cache: LayerCache, meta: Meta, topk):
 
 
 class Indexer(nn.Module):
-    ops = None  # the kernel set (TORCH_OPS or kernels.GPU_OPS), bound once by Transformer.bind
-
     def __init__(self, cfg: Config):
         super().__init__()
         self.cfg = cfg
@@ -603,7 +593,6 @@ def store_latent(kv, k_pe, norm_weight, eps, cos, sin, cache: LayerCache, slots)
 
 
 class MLA(nn.Module):
-    ops = None  # bound once by Transformer.bind, as Indexer.ops
     # wkv_b dequantized once at bind (exact in bf16), split per head: fp32/fp64 (torch path), bf16 (kernels)
     w_uk = None  # [H, C, D] W_UK, transposed: q_nope -> latent space
     w_uv = None  # [H, V, C] W_UV: latent -> values
@@ -644,7 +633,7 @@ class MLA(nn.Module):
             o_lat = self.ops.sparse_mla(q, q_pe, cache, selected, meta, cfg.softmax_scale)
             o = self.ops.head_linear(o_lat, self.w_uv)  # [T, H, V]
         else:
-            o = self.attend_chunks(q, q_pe, meta, cache)
+            o = self.attend_dense(q, q_pe, meta, cache)
         return self.wo(o.to(BF16).flatten(1))
 
     def queries(self, qr, cos, sin, absorbed):
@@ -658,34 +647,26 @@ class MLA(nn.Module):
         q_pe = self.ops.rope(q_pe, cos, sin, interleaved=True)
         return q_nope, q_pe
 
-    def attend_chunks(self, q_nope, q_pe, meta, cache):
-        """Each request's prompt chunk against its causal context, in the per-head form."""
-        out = []
+    def attend_dense(self, q_nope, q_pe, meta, cache):
+        """Prefill ("MHA") form: each request's prompt chunk against its causal context, the context's
+        latents expanded to per-head keys and values."""
+        dtype, out = self.w_uk.dtype, []
         for b, rows in enumerate(meta.request_rows()):
-            ctx = meta.table[b, : int(meta.ctx_lens[rows.stop - 1])]  # [N] slots
-            out.append(self.attend_dense(q_nope[rows], q_pe[rows], ctx, cache))
+            kv, k_pe = cache.latents(meta.table[b, : int(meta.ctx_lens[rows.stop - 1])])  # [N, C], [N, R]
+            kv = kv.to(dtype)
+            k_nope = torch.einsum("nc,hcd->nhd", kv, self.w_uk)  # [N, H, D]
+            v = torch.einsum("nc,hvc->nhv", kv, self.w_uv)  # [N, H, V]
+            k_pe = k_pe.to(dtype)[:, None].expand(-1, k_nope.shape[1], -1)  # [N, H, R]: shared by the heads
+            k = torch.cat([k_nope, k_pe], -1)
+            q = torch.cat([q_nope[rows], q_pe[rows]], -1).to(dtype)
+            out.append(self.ops.dense_attention(q, k, v, self.cfg.softmax_scale))  # [S, H, V]
         return torch.cat(out)
-
-    def attend_dense(self, q_nope, q_pe, ctx, cache):
-        """Prefill ("MHA") form for one request's rows: expand the context's latents to per-head
-        keys/values."""
-        dtype = self.w_uk.dtype
-        kv, k_pe = cache.latents(ctx)  # [N, C], [N, R]
-        kv = kv.to(dtype)
-        k_nope = torch.einsum("nc,hcd->nhd", kv, self.w_uk)  # [N, H, D]
-        v = torch.einsum("nc,hvc->nhv", kv, self.w_uv)  # [N, H, V]
-        k_pe = k_pe.to(dtype)[:, None, :].expand(-1, k_nope.shape[1], -1)  # [N, H, R]: shared by the heads
-        k = torch.cat([k_nope, k_pe], -1)
-        q = torch.cat([q_nope, q_pe], -1).to(dtype)
-        return self.ops.dense_attention(q, k, v, self.cfg.softmax_scale)  # [S, H, V]
 
 
 # ---- Feed-forward: SwiGLU MLP and the sigmoid-routed, group-limited MoE (spec 3.4, 3.9) --------------------
 class MLP(nn.Module):
     """SwiGLU, w2(silu(x W1) * x W3) (swiglu_mlp). A rank holds inter_dim / ranks of it: its output is an
     unrounded part of the sum (Block adds them)."""
-
-    ops = None  # bound once by Transformer.bind (mlp)
 
     def __init__(self, dim, inter_dim):
         super().__init__()
@@ -716,8 +697,6 @@ def route(logits, bias, groups, top_groups, top_experts, scale):
 
 class Gate(nn.Module):
     """The router: a bf16 product (exact: bf16 x and weight, fp32 sums), then `route`."""
-
-    ops = None  # bound once by Transformer.bind (dense_linear, route)
 
     def __init__(self, cfg: Config):
         super().__init__()
@@ -771,8 +750,6 @@ def grouped_linear(rows, linear, experts, counts):
 
 
 class MoE(nn.Module):
-    ops = None  # bound once by Transformer.bind
-
     def __init__(self, cfg: Config):
         super().__init__()
         self.gate = Gate(cfg)
@@ -852,8 +829,6 @@ class MTP(nn.Module):
 
 
 class Transformer(nn.Module):
-    ops = None  # the kernel set its layers call, bound by `bind`
-
     def __init__(self, cfg: Config):
         super().__init__()
         hf_checkpoint.check_tp(cfg, tp_size())  # no head, expert or FP8 block split unevenly
@@ -868,8 +843,7 @@ class Transformer(nn.Module):
     def bind(self, ops):
         """Point every layer at one kernel set and prepare the weights it reads (once, after loading)."""
         for mod in self.modules():
-            if hasattr(type(mod), "ops"):
-                mod.ops = ops
+            mod.ops = ops  # the layers call their heavy math through self.ops
             if isinstance(mod, Linear) and not mod.fp8:  # lm_head etc.: bf16 in the checkpoint
                 mod.weight.data = mod.weight.data.to(ops.dense_dtype(mod.weight))
             if isinstance(mod, MLA):  # wkv_b dequantized once, split per head into W_UK | W_UV
@@ -982,11 +956,7 @@ TORCH_OPS = SimpleNamespace(
 def select_ops(kernels, device):
     """The kernel set for a device: 'torch' the references; 'gpu' kernels.py (an error where it cannot run);
     'auto' kernels.py on a GPU that supports it, else the references."""
-    if not checks.gpu_kernels_wanted(kernels, device):
-        return TORCH_OPS
-    import kernels as gpu_kernels  # Triton + flashinfer: imported only on the GPU path
-
-    return gpu_kernels.GPU_OPS
+    return checks.gpu_ops(kernels, device) or TORCH_OPS
 
 
 # ---- Tensor and expert parallelism (torchrun): each rank holds a shard of the weights ---------------------
@@ -1428,17 +1398,13 @@ class Scheduler:
         lookahead = round_lookahead(self.num_draft)
         for r in list(self.running):
             while r in self.running and not self.pool.reserve(r, r.num_cached + lookahead):
-                self.preempt(self.running[-1])
+                newest = self.running.pop()  # preempted: its KV to host memory, to the front of the queue
+                self.pool.swap_out(newest)
+                self.waiting.insert(0, newest)
+                self.preemptions += 1
         return list(self.running)
 
-    def preempt(self, req):
-        self.running.remove(req)
-        self.pool.swap_out(req)
-        self.preemptions += 1
-        self.waiting.insert(0, req)
-
     def retire(self):
-        """Finished requests leave the batch and give their pages back."""
         for r in [r for r in self.running if r.finish]:
             self.running.remove(r)
             self.pool.release(r)
@@ -1665,7 +1631,9 @@ class LLM:
         self.model = model or load_model(model_dir, self.device, kernels, self.cfg)
         self.num_draft = mtp
         self.max_context = min(max_context or self.cfg.max_seq_len, self.cfg.max_seq_len)
-        num_pages = self.pool_pages(kv_cache_bytes, page_bytes)
+        pool_bytes = checks.pool_bytes(kv_cache_bytes, self.device)  # (its default: after the weights)
+        pages = torch.tensor([pool_bytes // page_bytes], device=self.device)
+        num_pages = int(all_reduce(pages, dist.ReduceOp.MIN))  # the smallest over ranks: one schedule for all
         self.cache = KVCache(self.cfg, num_pages * page_size, self.device)
         self.pool = PagePool(self.cache, page_size)
         self.scheduler = Scheduler(self.pool, max_batch, max_prefill_tokens, mtp, self.cfg.index_topk)
@@ -1688,16 +1656,6 @@ class LLM:
         where = f"{torch.cuda.get_device_name(self.device)}, kernels: {self.model.ops.name}"
         if tp_rank() == 0:
             print(f"nano-nsa: {where}; built them in {time.perf_counter() - t0:.1f} s", file=sys.stderr)
-
-    def pool_pages(self, kv_cache_bytes, page_bytes):
-        """Pages of the KV pool: kv_cache_bytes, or CPU 256 MiB, GPU 80% of what is free; the smallest over
-        ranks (one schedule for all)."""
-        if kv_cache_bytes is None and self.device.type == "cuda":
-            kv_cache_bytes = int(torch.cuda.mem_get_info(self.device)[0] * 0.8)
-        elif kv_cache_bytes is None:
-            kv_cache_bytes = 256 << 20
-        pages = torch.tensor([kv_cache_bytes // page_bytes], device=self.device)
-        return int(all_reduce(pages, dist.ReduceOp.MIN))
 
     def generate(
         self,
@@ -1732,7 +1690,8 @@ class LLM:
             self.launched = None
             self.scheduler.drop_all()
             raise
-        self.stats = self.summary(reqs, time.perf_counter() - t0, rounds)
+        seconds = time.perf_counter() - t0
+        self.stats = cli.summary(reqs, seconds, rounds, self.scheduler.preemptions, self.num_draft)
         return [self.result(r, return_logits) for r in reqs]
 
     def step(self):
@@ -1746,51 +1705,45 @@ class LLM:
         return mode
 
     def prefill(self, chunks):
-        """Prompt chunks [(request, first position, length)] through the main model and the MTP layer."""
+        """Prompt chunks [(request, first position, length)] through the main model, then the MTP layer over
+        the same rows (its KV): position p pairs the main hidden h_p with the next token x_{p+1}. A request
+        whose prompt is done draws its first token, then d_1 from the MTP layer's last row; its first round's
+        other drafts are placeholders that repeat d_1 (drawn from a one-hot q: any q keeps acceptance exact),
+        as no chained MTP step runs at prefill: they start with that round's draft phase. A request that
+        finished at its first token feeds 0 (no token follows its prompt; that KV is never read)."""
         reqs, starts, lens = zip(*chunks, strict=True)
         meta = Meta.build("prefill", starts, lens, self.pool.table(reqs))
         tokens = torch.tensor([t for r, s, n in chunks for t in r.tokens[s : s + n]], device=self.device)
         h = self.model(tokens, meta, self.cache)
-        last = [end - 1 for end in meta.cu_seqlens[1:]]  # each chunk's last row
         for r, _, n in chunks:
             r.num_cached += n
-        done = [b for b, r in enumerate(reqs) if r.num_cached == r.prompt_len]
+        done = [r for r in reqs if r.num_cached == r.prompt_len]
+        last = [
+            end - 1 for r, end in zip(reqs, meta.cu_seqlens[1:], strict=True) if r in done
+        ]  # their last rows
         if done:  # the prompt is done: its first token, at position num_cached
-            logits = self.model.logits(h[[last[b] for b in done]])
-            done_reqs = [reqs[b] for b in done]
-            start = to_device(torch.tensor([r.num_cached for r in done_reqs]), self.device)
-            first, _ = draw(self.model.ops, logits, Sampling.of(done_reqs, self.device), start, TARGET)
-            for r, t, row in zip(done_reqs, first.tolist(), logits, strict=True):
+            logits = self.model.logits(h[last])
+            start = to_device(torch.tensor([r.num_cached for r in done]), self.device)
+            sp = Sampling.of(done, self.device)
+            first, _ = draw(self.model.ops, logits, sp, start, TARGET)
+            for r, t, row in zip(done, first.tolist(), logits, strict=True):
                 r.emit([t], row[None], self.cfg.eos_token_id)
-        if self.num_draft:  # the MTP layer's KV of the same rows, and the drafts of prompts that are done
-            self.prefill_mtp(chunks, h, meta, [b for b in done if reqs[b].finish is None])
-
-    def prefill_mtp(self, chunks, h, meta, going):
-        """The MTP layer over a prefill step's rows (its KV): position p pairs the main hidden h_p with the
-        next token x_{p+1}. A request whose prompt is done (`going`: not finished) draws d_1 from its last
-        row; its first round's other drafts are placeholders that repeat d_1 (drawn from a one-hot q: any q
-        keeps acceptance exact), as no chained MTP step runs at prefill: they start with that round's draft
-        phase. A request that finished at its first token feeds 0 (no token follows its prompt; that KV is
-        never read)."""
+        if not self.num_draft:
+            return
         next_tokens = [r.tokens[s + i + 1] if r.finish is None else 0 for r, s, n in chunks for i in range(n)]
         h = self.model.mtp_forward(torch.tensor(next_tokens, device=self.device), h, meta, self.cache)
-        if not going:
-            return
-        reqs = [chunks[b][0] for b in going]
-        logits = self.model.mtp[0].logits(h[[meta.cu_seqlens[b + 1] - 1 for b in going]])
-        start = to_device(torch.tensor([r.num_cached for r in reqs]), self.device)
-        d1, q1 = draw(self.model.ops, logits, Sampling.of(reqs, self.device), start + 1, DRAFT)
-        for b, r in enumerate(reqs):
-            r.draft = d1[b].repeat(self.num_draft)
-            if q1 is not None:
-                again = F.one_hot(d1[b], q1.shape[-1]).to(q1.dtype).expand(self.num_draft - 1, -1)
-                r.q = torch.cat([q1[b : b + 1], again])
+        if done:  # (a request that finished drafts too, unused: it retires after this step)
+            d1, q1 = draw(self.model.ops, self.model.mtp[0].logits(h[last]), sp, start + 1, DRAFT)
+            for b, r in enumerate(done):
+                r.draft = d1[b].repeat(self.num_draft)
+                if q1 is not None:
+                    again = F.one_hot(d1[b], q1.shape[-1]).to(q1.dtype).expand(self.num_draft - 1, -1)
+                    r.q = torch.cat([q1[b : b + 1], again])
 
     def decode(self, reqs):
         """One speculative round of `reqs`: launched from the inputs the last round left on the device while
         the batch stays the same, else (accepting the round in flight first) from the host's state."""
-        same = self.launched is not None and self.launched[0] == reqs  # the same Request objects, in order
-        if not same:
+        if self.launched is None or self.launched[0] != reqs:  # not the same Request objects, in order
             self.settle()
             self.batch = self.new_batch(reqs)
         table = self.pool.table(reqs)  # (with the pages reserved since the last round)
@@ -1857,18 +1810,14 @@ class LLM:
         long (checks.check_prompt)."""
         if temperature > 0:
             temperature = max(temperature, 1e-5)  # as the reference: no overflow in logits / T
-        if seed is None:  # a fresh seed, the same on every rank
-            fresh = torch.tensor([int.from_bytes(os.urandom(6), "little")], device=self.device)
-            seed = int(all_reduce(fresh, dist.ReduceOp.MAX))
-        seeds = seed if isinstance(seed, (list, tuple)) else [seed + i for i in range(len(prompts))]
+        seeds = checks.prompt_seeds(seed, len(prompts), self.device)
         budgets = checks.per_prompt("max_new_tokens", max_new_tokens, len(prompts))
         room = (self.cfg.vocab_size, self.max_context, self.pool.free_slots, round_lookahead(self.num_draft))
         reqs = []
         for i, prompt in enumerate(prompts):
             ids = self.encode(prompt, thinking, raw)
             checks.check_prompt(i, ids, budgets[i], *room)
-            seed_i = seeds[i] % 2**63
-            reqs.append(Request(i, list(ids), len(ids), budgets[i], temperature, top_p, seed_i))
+            reqs.append(Request(i, list(ids), len(ids), budgets[i], temperature, top_p, seeds[i]))
         return reqs
 
     def encode(self, prompt, thinking=False, raw=False):
@@ -1885,16 +1834,6 @@ class LLM:
         if return_logits:
             logits = torch.stack(r.logits) if r.logits else torch.zeros(0, self.cfg.vocab_size)
         return Result(r.generated, self.tokenizer.decode(r.generated), r.accept_lengths, logits, r.finish)
-
-    def summary(self, reqs, seconds, rounds):
-        tokens = sum(len(r.generated) for r in reqs)
-        accepts = [a for r in reqs for a in r.accept_lengths]
-        stats = dict(tokens=tokens, seconds=seconds, tokens_per_s=tokens / seconds, decode_rounds=rounds)
-        stats.update(preemptions=self.scheduler.preemptions, mean_accept_length=None, accept_histogram={})
-        if accepts:
-            stats["mean_accept_length"] = sum(accepts) / len(accepts)
-            stats["accept_histogram"] = {n: accepts.count(n) for n in range(1, self.num_draft + 2)}
-        return stats
 
 
 def main(argv=None):
