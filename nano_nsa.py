@@ -250,21 +250,18 @@ def swiglu_mlp(x, w1, w3, w2):
 
 
 def side_by_side(first, first_args, second, second_args):
-    """(first(*first_args), second(*second_args)) for two independent parts of a layer, which meet only after
-    both are done (MLA's queries and the indexer, and inside the indexer its head weights and its queries; the
-    shared and the routed experts). The reference runs them one after the other; the GPU runs second, the
-    longer chain, on a second stream of higher priority while first runs, so that one part's short,
-    latency-bound kernels fill the SMs that the other leaves idle (SGLang overlaps the first and the last
-    pair alike). The same kernels on the same inputs: the same bits either way."""
+    """(first(*first_args), second(*second_args)): two independent parts of a layer that meet only when both
+    are done (MLA's queries and the indexer; the indexer's head weights and queries; the shared and routed
+    experts). Here one after the other; on the GPU side by side, on two streams (kernels.side_by_side), so
+    that one part's short, latency-bound kernels fill the SMs the other leaves idle: the same bits either
+    way."""
     return first(*first_args), second(*second_args)
 
 
 def rms_norm(x, residual, weight, eps):
     """RMSNorm in fp32 with an fp32 weight, bf16 out, of x rounded to bf16 first (a block's half arrives as
     its fp32 sum: rounded here, once, as the reference's layers return bf16). With `residual`: adds it first
-    (fp32), and also returns the new residual stream rounded to bf16, as the reference's fused form. (The
-    kernel's reference: torch splits a row's mean over more threads when there are fewer rows, so its bits
-    depend on the batch.)"""
+    (fp32), and also returns the new residual stream rounded to bf16, as the reference's fused form."""
     x = x.to(BF16).float()
     if residual is not None:
         x = x + residual.float()
@@ -424,7 +421,6 @@ class LayerCache:
     size, against 1152 for the same values in bf16. The three parts are typed views of the row's bytes."""
 
     # bytes [0, C): kv, C fp8 | [C, C + C/32): kv_scale, C/128 fp32 of 4 bytes | [C * 33/32, end): pe, R bf16
-    # (full size: 512 + 16 + 128 = 656; in bf16, (512 + 64) * 2 = 1152)
     latent: torch.Tensor  # [S, C + C/32 + 2R] uint8
     ik: torch.Tensor  # [S, J] fp8   indexer key
     iks: torch.Tensor  # [S]    fp32  indexer key scale
@@ -544,8 +540,7 @@ class Indexer(nn.Module):
 
 # ---- MLA: multi-head latent attention over the indexer's selection (spec 3.6, 3.8) -------------------------
 # The sparse MLA reference runs its rows in blocks whose gathered latents (rows x K x (C + R), fp64 on CPU)
-# take at most about this much, so that a block stays in the CPU's cache: on the demo's prefill (blocks of 14
-# rows) 3.5x faster than one gather of every row. Each row is computed alone either way: the same bits.
+# take at most about this much, to stay in the CPU's cache. Each row is computed alone either way: same bits.
 SPARSE_MLA_BLOCK_BYTES = 8 << 20
 
 
@@ -617,8 +612,7 @@ class MLA(nn.Module):
         same function."""
         cfg = self.cfg
         C, R = cfg.kv_lora_rank, cfg.qk_rope_head_dim
-        # the three products of x: MLA's query and latent projections and the indexer's key (one GEMM on a
-        # GPU)
+        # the three products of x: MLA's query and latent projections, the indexer's key (one GEMM on a GPU)
         q_a, k_index, kv_a = self.ops.linears(x, self.wq_a, self.indexer.wk, self.wkv_a)
         qr = self.q_norm(q_a)  # [T, q_lora]; shared with the indexer
         kv, k_pe = kv_a.split([C, R], -1)  # [T, C], [T, R]
@@ -878,8 +872,8 @@ class Transformer(nn.Module):
 
 class KVCache:
     """The KV pool of every layer (main layers, then MTP layers), addressed by slot: `latent` [L, S,
-    row_bytes] uint8 holds MLA's whole row (LayerCache views it: 656 B/token/layer at full size), `ik` the
-    indexer key (FP8, 128 B) and `iks` its fp32 scale (4 B)."""
+    row_bytes] uint8 holds MLA's whole row (LayerCache views it), `ik` the FP8 indexer key and `iks` its fp32
+    scale."""
 
     def __init__(self, cfg: Config, num_slots: int, device="cpu"):
         L = cfg.n_layers + cfg.n_mtp_layers
@@ -908,9 +902,8 @@ class KVCache:
 # Layers call these through `self.ops`. Transformer.bind points every layer at one set, once, at load:
 # TORCH_OPS (the readable references above, on any device) or kernels.GPU_OPS (the same names and signatures).
 # The references dequantize a model's FP8 weights once, at load, when the copies (8 bytes a weight on the CPU)
-# take at most this much; a bigger model dequantizes each weight at each call (same values: FP8 times a power
-# of two is exact in fp32 and fp64). On the demo model per-call dequantizing was ~65% of the CPU's time. Its
-# plain weights (the heads, fp32) are then widened to fp64 once too, not at each call (~5% of a CPU round).
+# take at most this much, and widen its plain ones too; a bigger model dequantizes each weight at each call
+# (same values: FP8 times a power of two is exact in fp32 and fp64).
 DEQUANTIZE_AT_LOAD_BYTES = 2 << 30
 
 
@@ -1473,10 +1466,8 @@ def speculative_round(model, cache, batch: Batch):
 
 
 def draft(model, cache, h, logits, start, batch, k):
-    """k draft tokens per request, on the device: d_1 from the MTP logits of the row just run at position
-    start - 1 (its hidden state h [B, dim]), then k-1 MTP decode steps at positions start, start + 1, ...,
-    each fed the draft before, their Meta made here from those positions. start [B]: the position of each
-    request's last emitted token (the next round's x_L); batch: its table, sampling and context bound. ->
+    """k draft tokens per request, on the device: d_1 from `logits`, the MTP row just run at position start -
+    1 (its hidden state h [B, dim]), then k-1 chained MTP decode steps at positions start, start + 1, ... ->
     (drafts [B, k], their distributions q [B, k, vocab], None for a greedy batch)."""
     B = len(start)
     rows = torch.arange(B, device=start.device)
@@ -1514,11 +1505,10 @@ def graph_buckets(max_bs, rows_per_req, tp=1):
 
 
 class CudaGraphs:
-    """speculative_round as CUDA graphs, one per batch-size bucket, context bound (the indexer's width is a
-    shape: index_topk, else the next power of two) and kind of batch (greedy, or sampling: its distributions
-    are work of their own), each captured when a batch first needs it. A replay reads the round's inputs
-    from one set of static buffers and leaves the next round's there; padding rows sit at position 0 of
-    page-table rows of zeros, so they write the dummy slot 0."""
+    """speculative_round as CUDA graphs, one per (batch-size bucket, context bound: the indexer's width is a
+    shape, greedy or sampling: its distributions are work of its own), each captured when a batch first
+    needs it. A replay reads the round's inputs from one set of static
+    buffers and leaves the next round's there; padding rows write the dummy slot 0."""
 
     def __init__(self, model: Transformer, cache: KVCache, num_draft, max_batch, max_context, page_size):
         self.model, self.cache = model, cache
@@ -1544,10 +1534,8 @@ class CudaGraphs:
 
     def run(self, batch: Batch, B, table, max_ctx):
         """Replay the round for the B requests of `batch` (the host's inputs, or the static ones the last
-        replay left), with their page table and a bound on their contexts -> (the static inputs, which hold
-        the next round's after the replay and which LLM keeps as its batch, so the next round of the same
-        requests copies nothing; the graph's own outputs, overwritten by its next replay; rows past B are
-        padding). Table columns past a row's context are never read: its length masks them."""
+        replay left) -> (the static inputs, now the next round's: LLM keeps them as its batch; the graph's
+        outputs, overwritten by its next replay; rows past B are padding)."""
         s = self.static
         bs = next(b for b in self.buckets if b >= B)
         key = (bs, self.width(max_ctx), batch.sp.sampling)
@@ -1592,13 +1580,12 @@ class CudaGraphs:
 
 # ---- LLM: the engine, tying the parts together -------------------------------------------------------------
 class LLM:
-    """DeepSeek-V3.2 engine: generate() admits requests, then runs steps until every request is done. A
-    step asks the scheduler what to run, runs it, and retires what finished. A prefill step runs the main
-    model over prompt chunks, then the MTP layer over the same rows, and a request whose prompt is done draws
-    its first token and drafts. A decode round is speculative_round over every running request (from a CUDA
-    graph where the engine has them), read back once. While the batch stays the same the host launches round
-    n+1 from the inputs round n left on the device before it reads round n back, and accepts round n while
-    the GPU runs round n+1. A request that finishes drafts on for that round, into its own pages."""
+    """DeepSeek-V3.2 engine: generate() admits requests, then runs steps (schedule, prefill or decode round,
+    retire) until every request is done. A decode round is speculative_round over every running request
+    (from a CUDA graph where the engine has them), read back once. While the batch stays the same the host
+    launches round n+1 from the inputs round n left on the device before it reads round n back, and accepts
+    round n while the GPU runs round n+1. A request that finishes drafts on for that round, into its own
+    pages."""
 
     def __init__(
         self,
@@ -1616,8 +1603,7 @@ class LLM:
     ):
         """mtp: draft tokens per round (0: no speculative decoding). kv_cache_bytes: the KV pool (default:
         CPU 256 MiB, GPU 80% of the free memory). model: a Transformer built already (bench.py), else
-        loaded from model_dir. The arguments are checked first (checks.py), the model files before any
-        weight is read (hf_checkpoint.py)."""
+        loaded from model_dir. Arguments and model files are checked before any weight is read."""
         checks.check_engine_args(locals())
         self.device = init_distributed(checks.check_device(device))  # torchrun: join the ranks, take a GPU
         model_dir = model_dir or hf_checkpoint.default_model_dir()
@@ -1647,9 +1633,8 @@ class LLM:
             self.warm_up()
 
     def warm_up(self):
-        """Build the GPU kernels (Triton compiles them at first use: seconds on a fresh machine) and the
-        greedy round's graphs of one and two requests before any generate the caller times, and say how long
-        it took."""
+        """Build the GPU kernels (Triton compiles them at first use) and the greedy round's graphs of one and
+        two requests before any generate the caller times."""
         t0 = time.perf_counter()
         for lengths in ((5, 16), (16,)):
             self.generate([[self.cfg.bos_token_id] * n for n in lengths], max_new_tokens=2)
