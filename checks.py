@@ -1,6 +1,7 @@
 """The checks at nano-nsa's entry points: every fault in a user value is one ValueError line naming the
 argument (the CLI prints it and exits 1), raised before any work. nano_nsa.py calls these; a reader of the
-engine can skip them. (The checks of model files live in hf_checkpoint.py.)"""
+engine can skip them, and the defaults they leave: the kernel set, the KV pool's size, one seed per prompt.
+(The checks of model files live in hf_checkpoint.py.)"""
 
 import os
 import sys

@@ -1,9 +1,12 @@
-"""The command line of `python nano_nsa.py`: its options, reading prompts, streaming text, printing results.
-nano_nsa.main ties them to the engine; a reader of the engine can skip this file."""
+"""The command line of `python nano_nsa.py`: its options, reading prompts, streaming text, printing results,
+generate's stats (LLM.stats) and leaving torchrun's process group. nano_nsa.main ties them to the engine; a
+reader of the engine can skip this file."""
 
 import argparse
 import json
 import sys
+
+import torch.distributed as dist
 
 from checks import SAMPLING, check_arg, require
 
@@ -129,3 +132,13 @@ def print_results(args, prompts, results, stats, streamed):
         spec += f", acceptance histogram {stats['accept_histogram']}"
     speed = f"{stats['tokens']} tokens in {stats['seconds']:.2f} s, {stats['tokens_per_s']:.1f} tokens/s"
     print(f"[{speed}{spec}]", file=sys.stderr)
+
+
+def end_distributed(graphed):
+    """Leave torchrun's process group. NCCL cannot destroy a communicator whose collectives CUDA graphs
+    captured (destroy_process_group hangs: pytorch issue 115388), so then the ranks only meet once more and
+    exit."""
+    if dist.is_initialized() and graphed:
+        dist.barrier()
+    elif dist.is_initialized():
+        dist.destroy_process_group()

@@ -7,9 +7,9 @@ KV cache -> the kernel boundary -> tensor parallelism -> the loader. It computes
 differs, a comment says why. Part 2 is the engine: chat encoding -> sampling and speculative acceptance ->
 requests -> the KV page pool -> the scheduler -> the speculative round (verify, accept, draft-extend, draft)
 -> CUDA graphs -> `LLM`: generate, its steps (prefill, decode round) -> `main`. What a reader can skip lives
-beside this file: the checkpoint format and its checks (hf_checkpoint.py), the checks of user arguments
-(checks.py), the command line (cli.py), and the GPU kernels behind the same names as the references here
-(kernels.py, with the FP8 GEMM family in fp8_gemm.py).
+beside this file: the checkpoint format and its checks (hf_checkpoint.py), the checks of user arguments and
+the defaults they leave (checks.py), the command line and generate's stats (cli.py), and the GPU kernels
+behind the same names as the references here (kernels.py, with the FP8 GEMM family in fp8_gemm.py).
 
 Dimension legend used in shape comments:
   T tokens (rows) in the forward pass   B requests in the batch   N context positions of a request
@@ -996,16 +996,6 @@ def all_gather(x):
     return torch.cat(parts, -1)
 
 
-def end_distributed(graphed):
-    """Leave torchrun's process group. NCCL cannot destroy a communicator whose collectives CUDA graphs
-    captured (destroy_process_group hangs: pytorch issue 115388), so then the ranks only meet once more and
-    exit."""
-    if dist.is_initialized() and graphed:
-        dist.barrier()
-    elif dist.is_initialized():
-        dist.destroy_process_group()
-
-
 def rank_slice(full, part):
     """The index of this rank's part of a checkpoint tensor of shape `full`, for a parameter of shape
     `part`: along the dimension the layer split (where part is smaller), the rank-th block of that size;
@@ -1834,7 +1824,7 @@ def main(argv=None):
         return cli.error(e)
     except KeyboardInterrupt:
         return 130
-    end_distributed(llm.graphs is not None)
+    cli.end_distributed(llm.graphs is not None)
     if tp_rank() == 0:  # torchrun: every rank computed the same tokens
         cli.print_results(args, prompts, results, llm.stats, stream is not None)
     return 0

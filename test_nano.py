@@ -21,6 +21,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+import cli
 import hf_checkpoint as hf
 import nano_nsa as m
 from tools.checkpoint import (
@@ -3077,7 +3078,7 @@ if __name__ == "__main__" and sys.argv[1:2] == ["tp-run"]:
 
     faulthandler.dump_traceback_later(float(os.environ.get("NANO_TP_HANG_S", 240)), exit=True)
     _tp_run(*sys.argv[2:6])
-    m.end_distributed(graphed=sys.argv[4] == "cuda")
+    cli.end_distributed(graphed=sys.argv[4] == "cuda")
 
 
 # ------------------------------------------------------------------------------------------------------------
