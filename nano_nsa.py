@@ -409,7 +409,6 @@ class Meta:
         return self.mode == "prefill" and self.max_ctx <= index_topk
 
     def request_rows(self):
-        """The row slice of each request."""
         return [slice(a, b) for a, b in zip(self.cu_seqlens[:-1], self.cu_seqlens[1:], strict=True)]
 
 
@@ -1798,10 +1797,7 @@ class LLM:
     def encode(self, prompt, thinking=False, raw=False):
         if not isinstance(prompt, str):
             return [int(t) for t in prompt]
-        if raw:
-            text = BOS + prompt
-        else:
-            text = encode_chat([{"role": "user", "content": prompt}], thinking)
+        text = BOS + prompt if raw else encode_chat([{"role": "user", "content": prompt}], thinking)
         return self.tokenizer.encode(text, add_special_tokens=False).ids
 
     def result(self, r, return_logits):
