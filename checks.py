@@ -204,7 +204,7 @@ def check_generate_args(prompts, args, on_tokens):
         if name in ("max_new_tokens", "seed"):  # one value, or one per prompt
             values = per_prompt(name, args[name], len(prompts))
         for value in values:
-            if not (name == "seed" and value is None):
+            if not (name == "seed" and args[name] is None):  # (None: a fresh seed; not inside a list)
                 check_arg(name, value, *rule)
     for name in FLAGS:
         check_arg(name, args[name], bool)
@@ -217,7 +217,7 @@ def prompt_seeds(seed, n, device):
     a fresh one, the same on every rank."""
     if seed is None:
         fresh = torch.tensor([int.from_bytes(os.urandom(6), "little")], device=device)
-        if dist.is_initialized():
+        if dist.is_initialized() and dist.get_world_size() > 1:  # (as nano_nsa.all_reduce)
             dist.all_reduce(fresh, dist.ReduceOp.MAX)
         seed = int(fresh)
     seeds = seed if isinstance(seed, (list, tuple)) else [seed + i for i in range(n)]

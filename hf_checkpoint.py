@@ -328,7 +328,7 @@ def ours_name(n_layers, hf_name: str) -> str:
     return ".".join(HF_TO_OURS.get(p, p) for p in parts)
 
 
-def load_target(params, cfg, hf_name: str, rank=0, ranks=1):
+def load_target(params, cfg, hf_name: str, rank, ranks):
     """The model tensor (of `params`) a checkpoint tensor is loaded into: its parameter, or for a routed
     expert its place in the stack of rank `rank` of `ranks` (layers.3.ffn.experts.5.w1.weight ->
     layers.3.ffn.experts.w1.weight[5 - the rank's first]); None for another rank's expert."""

@@ -2,7 +2,8 @@
 
 Each public op has a readable torch reference of the same name and signature in nano_nsa.py (TORCH_OPS); tests
 compare them on random inputs at the real shapes (test_nano.py, marked `gpu`). `GPU_OPS` at the end is the set
-`nano_nsa.select_ops` binds on a GPU that `unsupported()` accepts.
+`nano_nsa.select_ops` binds on a GPU that `unsupported()` accepts; its `capture` (CUDA graphs) alone has no
+reference.
 
 Batch invariance: a row's result never depends on the other rows of its batch (docs/batch_invariance.md):
 tile shapes and split-K come from the weight's shape, attention splits from the row's own selection, and every
@@ -1021,7 +1022,7 @@ def read_back(x):
     return wait
 
 
-# ---- The kernel set: the names and signatures of nano_nsa.TORCH_OPS ----
+# ---- The kernel set: the names and signatures of nano_nsa.TORCH_OPS, and `capture` ----
 def bf16_dtype(w):
     """bf16, whatever w's dtype: attn_dtype (wkv_b's absorbed halves) and dense_dtype (plain weights)."""
     return BF16

@@ -812,9 +812,8 @@ class MTP(nn.Module):
         dim]. (vLLM zeroes the embedding at position 0; SGLang and this engine do not.)"""
         cos, sin = rope_cos_sin(self.cfg, meta.positions)
         u = self.eh_proj(torch.cat([self.enorm(self.embed(next_tokens)), self.hnorm(h)], -1)).to(BF16)
-        x, residual = self.block(
-            u, torch.zeros_like(u), cos, sin, meta, cache
-        )  # (a residual stream of its own)
+        # a residual stream of its own, starting at -0.0 (as Transformer.forward's)
+        x, residual = self.block(u, torch.full_like(u, -0.0), cos, sin, meta, cache)
         return self.shared_head.norm(x, residual)[0]  # also the input of the next draft step
 
     def logits(self, h):
@@ -854,7 +853,7 @@ class Transformer(nn.Module):
         consumes)."""
         cos, sin = rope_cos_sin(self.cfg, meta.positions)
         h = self.embed(tokens)
-        residual = torch.zeros_like(h)  # the residual stream, which the first block's norm adds h to
+        residual = torch.full_like(h, -0.0)  # the residual stream: x + -0.0 is x bit for bit (+0.0 too)
         for i, layer in enumerate(self.layers):
             h, residual = layer(h, residual, cos, sin, meta, cache.layer(i))
         return self.norm(h, residual)[0]
@@ -899,7 +898,8 @@ class KVCache:
 
 # ---- The kernel boundary: the few names through which the GPU path plugs in --------------------------------
 # Layers call these through `self.ops`. Transformer.bind points every layer at one set, once, at load:
-# TORCH_OPS (the readable references above, on any device) or kernels.GPU_OPS (the same names and signatures).
+# TORCH_OPS (the readable references above, on any device) or kernels.GPU_OPS (the same names and signatures,
+# and `capture`, GPU only: CUDA graphs run with the kernels alone).
 # The references dequantize a model's FP8 weights once, at load, when the copies (8 bytes a weight on the CPU)
 # take at most this much, and widen its plain ones too; a bigger model dequantizes each weight at each call
 # (same values: FP8 times a power of two is exact in fp32 and fp64).
@@ -942,7 +942,7 @@ TORCH_OPS = SimpleNamespace(
     prepare=dequantize_weights,  # the weights as the ops read them, once at load (Transformer.bind)
     attn_dtype=acc_dtype,  # dtype of wkv_b's absorbed halves (exact: pow2-scaled FP8 fits bf16)
     dense_dtype=lambda w: w.dtype,  # dtype plain Linear weights are kept in (kernels: bf16, as stored)
-)  # (Part 2 adds the engine's sampling ops, uniform, sample and probs_from_logits, where it explains them)
+)  # (Part 2 adds the engine's ops, uniform, sample, probs_from_logits and read_back, where it explains them)
 
 
 def select_ops(kernels, device):

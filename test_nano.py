@@ -209,7 +209,7 @@ def test_full_width_model_matches_checkpoint_table():
     params = dict(model.named_parameters())
     filled = dict.fromkeys(params, 0)
     for k, (shape, _kind) in hf.checkpoint_tensors(cfg).items():
-        assert list(hf.load_target(params, cfg, k).shape) == shape, k
+        assert list(hf.load_target(params, cfg, k, 0, 1).shape) == shape, k
         owner = re.sub(r"\.experts\.\d+\.", ".experts.", hf.ours_name(cfg.n_layers, k))
         filled[owner] += math.prod(shape)
     assert filled == {k: p.numel() for k, p in params.items()}
@@ -239,7 +239,7 @@ def test_write_load_round_trip_exact(tiny_dir, model):
     for file in files:
         for name, t in load_file(os.path.join(tiny_dir, file)).items():
             assert index["weight_map"][name] == file
-            p = hf.load_target(params, model.cfg, name)
+            p = hf.load_target(params, model.cfg, name, 0, 1)
             kind = expected[name][1]
             assert p.dtype == {"fp8": torch.float8_e4m3fn, "scale": torch.float32}.get(kind, p.dtype)
             assert torch.equal(p.float(), t.float()), name  # bit-exact, upcasts are exact
@@ -314,7 +314,10 @@ def test_fp8_block_dequant_matches_source(model):
     for name, (shape, kind) in hf.checkpoint_tensors(cfg).items():
         if kind != "fp8" or ".experts." in name and ".experts.0." not in name:
             continue
-        w8, s = hf.load_target(params, cfg, name), hf.load_target(params, cfg, name + "_scale_inv")
+        w8, s = (
+            hf.load_target(params, cfg, name, 0, 1),
+            hf.load_target(params, cfg, name + "_scale_inv", 0, 1),
+        )
         assert torch.equal(s, 2.0 ** torch.log2(s).round()), f"{name}: scales are not powers of two"
         src = random_weight(name, shape, kind, seed=0)
         deq = m.weight_dequant(w8, s)
@@ -659,7 +662,7 @@ def test_mtp_layer_matches_spec(model):
     cache2 = m.KVCache(cfg, 512)
     cos, sin = m.rope_cos_sin(cfg, meta.positions)
     x, res = mtp.block(
-        u, torch.zeros_like(u), cos, sin, meta, cache2.layer(cfg.n_layers)
+        u, torch.full_like(u, -0.0), cos, sin, meta, cache2.layer(cfg.n_layers)
     )  # x: the FFN half's unrounded sum
     want_h = rms(x.to(torch.bfloat16).float() + res.float(), mtp.shared_head.norm.weight)
     want = (want_h.double() @ model.head.weight.double().T).float()  # shared_head.head == lm_head copy
@@ -2453,6 +2456,7 @@ GENERATE_FAULTS = {  # case: (generate arguments, the message)
     "seed_float": (dict(seed=1.5), "seed must be an integer (got 1.5)"),
     "seed_zero_float": (dict(seed=0.0), "seed must be an integer (got 0.0)"),
     "seed_str": (dict(seed="42"), "seed must be an integer (got '42')"),
+    "seed_list_none": (dict(prompts=["hi", "yo"], seed=[1, None]), "seed must be an integer (got None)"),
     "thinking_str": (dict(thinking="yes"), "thinking must be True or False (got 'yes')"),
     "raw_int": (dict(raw=1), "raw must be True or False (got 1)"),
     "return_logits_none": (dict(return_logits=None), "return_logits must be True or False (got None)"),
