@@ -252,9 +252,9 @@ def swiglu_mlp(x, w1, w3, w2):
 def side_by_side(first, first_args, second, second_args):
     """(first(*first_args), second(*second_args)): two independent parts of a layer that meet only when both
     are done (MLA's queries and the indexer; the indexer's head weights and queries; the shared and routed
-    experts). Here one after the other; on the GPU side by side, on two streams (kernels.side_by_side), so
-    that one part's short, latency-bound kernels fill the SMs the other leaves idle: the same bits either
-    way."""
+    experts). Here one after the other; on the GPU side by side, second (the longer chain) on a stream of
+    higher priority (kernels.side_by_side), so that one part's short, latency-bound kernels fill the SMs the
+    other leaves idle: the same bits either way."""
     return first(*first_args), second(*second_args)
 
 
