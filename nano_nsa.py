@@ -1496,8 +1496,8 @@ def graph_buckets(max_bs, rows_per_req, tp=1):
 class CudaGraphs:
     """speculative_round as CUDA graphs, one per (batch-size bucket, context bound: the indexer's width is a
     shape, greedy or sampling: its distributions are work of its own), each captured when a batch first
-    needs it. A replay reads the round's inputs from one set of static
-    buffers and leaves the next round's there; padding rows write the dummy slot 0."""
+    needs it. A replay reads the round's inputs from one set of static buffers and leaves the next round's
+    there; padding rows write the dummy slot 0."""
 
     def __init__(self, model: Transformer, cache: KVCache, num_draft, max_batch, max_context, page_size):
         self.model, self.cache = model, cache
@@ -1692,9 +1692,7 @@ class LLM:
         for r, _, n in chunks:
             r.num_cached += n
         done = [r for r in reqs if r.num_cached == r.prompt_len]
-        last = [
-            end - 1 for r, end in zip(reqs, meta.cu_seqlens[1:], strict=True) if r in done
-        ]  # their last rows
+        last = [end - 1 for r, end in zip(reqs, meta.cu_seqlens[1:], strict=True) if r in done]  # done's rows
         if done:  # the prompt is done: its first token, at position num_cached
             logits = self.model.logits(h[last])
             start = to_device(torch.tensor([r.num_cached for r in done]), self.device)

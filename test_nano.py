@@ -661,9 +661,8 @@ def test_mtp_layer_matches_spec(model):
     ).to(torch.bfloat16)
     cache2 = m.KVCache(cfg, 512)
     cos, sin = m.rope_cos_sin(cfg, meta.positions)
-    x, res = mtp.block(
-        u, torch.full_like(u, -0.0), cos, sin, meta, cache2.layer(cfg.n_layers)
-    )  # x: the FFN half's unrounded sum
+    # x: the FFN half's unrounded sum; the residual stream starts at -0.0, as the engine's
+    x, res = mtp.block(u, torch.full_like(u, -0.0), cos, sin, meta, cache2.layer(cfg.n_layers))
     want_h = rms(x.to(torch.bfloat16).float() + res.float(), mtp.shared_head.norm.weight)
     want = (want_h.double() @ model.head.weight.double().T).float()  # shared_head.head == lm_head copy
     assert torch.equal(got_h, want_h)

@@ -179,14 +179,13 @@ def random_model(cfg: m.Config, device, seed=0, kernels="auto") -> m.Transformer
     with torch.device(device):
         model = m.Transformer(cfg).eval()
     params = dict(model.named_parameters())
+    rank = (m.tp_rank(), m.tp_size())
     for name, (shape, kind) in hf.checkpoint_tensors(cfg).items():
-        if (
-            kind == "scale" or hf.load_target(params, cfg, name, m.tp_rank(), m.tp_size()) is None
-        ):  # None: another rank's expert
+        if kind == "scale" or hf.load_target(params, cfg, name, *rank) is None:  # None: another rank's expert
             continue
         w = random_weight(name, shape, kind, seed, device)
         for entry, t in checkpoint_entries(name, kind, w):
-            target = hf.load_target(params, cfg, entry, m.tp_rank(), m.tp_size())
+            target = hf.load_target(params, cfg, entry, *rank)
             target.copy_(t[m.rank_slice(t.shape, target.shape)])  # this rank's slice: the whole at one rank
     return m.share_mtp_copies(model).bind(m.select_ops(kernels, device))
 
