@@ -402,12 +402,6 @@ class Meta:
         pos, row_req = to_device(torch.tensor([positions, row_req]), table.device)  # one copy
         return cls(mode, pos, row_req, table, list(accumulate(lens, initial=0)), max(positions) + 1)
 
-    def dense(self, index_topk):
-        """Prompt chunks whose whole context fits in top-k: DSA selects every position, so attention is
-        plain causal attention (per-head form). Every other row, prefill rows included, runs the sparse
-        absorbed form."""
-        return self.mode == "prefill" and self.max_ctx <= index_topk
-
     def request_rows(self):
         return [slice(a, b) for a, b in zip(self.cu_seqlens[:-1], self.cu_seqlens[1:], strict=True)]
 
@@ -495,12 +489,10 @@ def index_topk(q8, qs, weights, scale, cache: LayerCache, meta: Meta, topk):
     prompt chunk, a verify row and its drafts) share its keys: gathered once."""
     w = head_weights(weights, scale, qs)
     out = []
-    width = min(topk, meta.max_ctx)
     for b, rows in enumerate(meta.request_rows()):
-        ctx = meta.table[b, : meta.max_ctx]  # [N] slots
+        ctx = meta.table[b, : meta.max_ctx]  # [N] slots: every request's scores are N wide
         scores = index_scores(q8[rows], w[rows], cache.ik[ctx][None], cache.iks[ctx][None])
-        selected = topk_positions(scores, meta.ctx_lens[rows], topk)
-        out.append(F.pad(selected, (0, width - selected.shape[1]), value=-1))
+        out.append(topk_positions(scores, meta.ctx_lens[rows], topk))
     return torch.cat(out)
 
 
@@ -515,13 +507,12 @@ class Indexer(nn.Module):
 
     def forward(self, x, qr, k, cos, sin, meta: Meta, cache: LayerCache):
         """x [T, dim], qr [T, q_lora] (MLA's normed query latent), k = wk(x) [T, J] (MLA runs it with its own
-        products of x) -> [T, min(K, N)] selected context positions per row (-1 = none), or None for a dense
-        prompt chunk. Writes this pass's keys first, so every row can select its own token."""
+        products of x) -> [T, min(K, N)] selected context positions per row (-1 = none; a dense prompt chunk
+        selects all of its context, and MLA does not read it). Writes this pass's keys first, so every row can
+        select its own token."""
         cfg = self.cfg
         norm = self.k_norm
         self.ops.store_index_key(k, norm.weight, norm.bias, norm.eps, cos, sin, cache, meta.slots)
-        if meta.dense(cfg.index_topk):  # the whole context is selected: only the keys are needed
-            return None
         if meta.max_ctx <= cfg.index_topk:  # every row selects its whole context (SGLang skips too)
             n = torch.arange(meta.max_ctx, device=x.device)
             return torch.where(n < meta.ctx_lens[:, None], n, -1)
@@ -617,8 +608,11 @@ class MLA(nn.Module):
         kv, k_pe = kv_a.split([C, R], -1)  # [T, C], [T, R]
         norm = self.kv_norm  # this pass's latents go to the cache first: attention reads them from there
         self.ops.store_latent(kv, k_pe, norm.weight, norm.eps, cos, sin, cache, meta.slots)
-        sparse = not meta.dense(cfg.index_topk)  # prompt chunks within top-k attend densely, per head
-        # the queries beside the indexer's selection [T, K'] (context positions, -1 = none; None when dense)
+        # Prompt chunks whose whole context fits in top-k: DSA selects every position, so attention is plain
+        # causal attention (the per-head form). Every other row, prefill rows included, runs the sparse
+        # absorbed form.
+        sparse = meta.mode == "decode" or meta.max_ctx > cfg.index_topk
+        # the queries beside the indexer's selection [T, K'] (context positions, -1 = none)
         (q, q_pe), selected = self.ops.side_by_side(
             self.queries, (qr, cos, sin, sparse), self.indexer, (x, qr, k_index, cos, sin, meta, cache)
         )
@@ -836,8 +830,6 @@ class Transformer(nn.Module):
         """Point every layer at one kernel set and prepare the weights it reads (once, after loading)."""
         for mod in self.modules():
             mod.ops = ops  # the layers call their heavy math through self.ops
-            if isinstance(mod, Linear) and not mod.fp8:  # lm_head etc.: bf16 in the checkpoint
-                mod.weight.data = mod.weight.data.to(ops.dense_dtype(mod.weight))
             if isinstance(mod, MLA):  # wkv_b dequantized once, split per head into W_UK | W_UV
                 w = weight_dequant(mod.wkv_b.weight, mod.wkv_b.scale).to(ops.attn_dtype(mod.wkv_b.weight))
                 D = mod.cfg.qk_nope_head_dim
@@ -941,7 +933,6 @@ TORCH_OPS = SimpleNamespace(
     side_by_side=side_by_side,  # independent parts of a layer: GPU, streams (MLA, Indexer, MoE)
     prepare=dequantize_weights,  # the weights as the ops read them, once at load (Transformer.bind)
     attn_dtype=acc_dtype,  # dtype of wkv_b's absorbed halves (exact: pow2-scaled FP8 fits bf16)
-    dense_dtype=lambda w: w.dtype,  # dtype plain Linear weights are kept in (kernels: bf16, as stored)
 )  # (Part 2 adds the engine's ops, uniform, sample, probs_from_logits and read_back, where it explains them)
 
 
@@ -1221,15 +1212,14 @@ class Request:
             if t == eos_id:
                 self.finish = "eos"
                 return
-            if len(self.generated) >= self.max_new_tokens:
-                break
             self.tokens.append(t)
             if self.return_logits:
                 self.logits.append(logits_rows[i].float().cpu())
             if self.on_tokens:
                 self.on_tokens(self.idx, [t])
-        if len(self.generated) >= self.max_new_tokens:
-            self.finish = "length"
+            if len(self.generated) == self.max_new_tokens:
+                self.finish = "length"
+                return
 
 
 @dataclass
@@ -1356,9 +1346,9 @@ class Scheduler:
             self.running.append(self.waiting.pop(0))
 
     def prefill_chunks(self, reqs):
-        """This step's prompt chunks, at most max_prefill_tokens rows in all. Batch-invariant: a prompt is
-        cut at fixed multiples of max_prefill_tokens, and a step never mixes chunks whose context fits in
-        top-k (dense attention, Meta.dense) with longer ones, so neither a chunk's rows nor its attention form
+        """This step's prompt chunks, at most max_prefill_tokens rows in all. Batch-invariant: a prompt is cut
+        at fixed multiples of max_prefill_tokens, and a step never mixes chunks whose context fits in top-k
+        (dense attention, MLA.forward) with longer ones, so neither a chunk's rows nor its attention form
         depend on what else runs. A chunk that does not fit waits for the next step."""
         chunks = []
         budget = self.max_prefill_tokens
@@ -1408,17 +1398,14 @@ class Batch:
     tokens: torch.Tensor  # [B, k+1] x_L (the last token), then the drafts d_1..d_k
     start: torch.Tensor  # [B] L: the position of x_L (its KV and the drafts' are written this round)
     q: torch.Tensor  # [B, k, vocab] the drafts' distributions (None: a greedy batch, or k = 0)
-    table: torch.Tensor  # [B, W] page-table rows (W: a bound on every context)
-    live: torch.Tensor  # [B] 1 for a request, 0 for a CUDA graph's padding row (which stays at position 0)
     sp: Sampling
-    max_ctx: int  # host: a bound on the round's causal lengths
 
     def tensors(self):
         """The per-request tensors (a CUDA graph copies them into its static inputs)."""
-        return [self.tokens, self.start, self.q, self.live, self.sp.seeds, self.sp.temperature, self.sp.top_p]
+        return [self.tokens, self.start, self.q, self.sp.seeds, self.sp.temperature, self.sp.top_p]
 
 
-def speculative_round(model, cache, batch: Batch):
+def speculative_round(model, cache, batch: Batch, table):
     """One decode round of every request of the batch, on the device with no host synchronization (a CUDA
     graph captures it whole) -> (settled [B, k+2]: the emitted tokens, then how many; the verify logits [B,
     k+1, V]); `batch` then holds the next round's inputs. The four phases:
@@ -1433,7 +1420,7 @@ def speculative_round(model, cache, batch: Batch):
     offsets = torch.arange(n, device=dev)
     positions = (batch.start[:, None] + offsets).flatten()  # [B*(k+1)]: L..L+k
     rows = torch.arange(B, device=dev).repeat_interleave(n)
-    meta = Meta("decode", positions, rows, batch.table, list(range(0, B * n + 1, n)), batch.max_ctx)
+    meta = Meta("decode", positions, rows, table, list(range(0, B * n + 1, n)), table.shape[1])
     h = model(batch.tokens.flatten(), meta, cache)
     logits = model.logits(h).view(B, n, -1)
     emitted, counts = accept(model.ops, batch.tokens, logits, batch.q, batch.sp, batch.start)
@@ -1445,29 +1432,28 @@ def speculative_round(model, cache, batch: Batch):
         h = model.mtp_forward(emitted.flatten() * kept, h, extend, cache)
         h = h[torch.arange(B, device=dev) * n + counts - 1]  # each request's last emitted row
         start = batch.start + counts  # L': the position of the last emitted token
-        drafts, q = draft(model, cache, h, model.mtp[0].logits(h), start, batch, n - 1)
+        drafts, q = draft(model, cache, h, start, batch, table)
         next_tokens = torch.cat([emitted.gather(1, counts[:, None] - 1), drafts], 1)
         if batch.q is not None:
             batch.q.copy_(q)
     batch.tokens.copy_(next_tokens)
-    batch.start.add_(counts * batch.live)
+    batch.start.add_(counts * (table[:, 0] > 0))  # a padding row (its slots all 0) stays at position 0
     return torch.cat([emitted, counts[:, None]], 1), logits
 
 
-def draft(model, cache, h, logits, start, batch, k):
-    """k draft tokens per request, on the device: d_1 from `logits`, the MTP row just run at position start -
-    1 (its hidden state h [B, dim]), then k-1 chained MTP decode steps at positions start, start + 1, ... ->
+def draft(model, cache, h, start, batch, table):
+    """The batch's k draft tokens per request, on the device: d_1 from the MTP row just run at position start
+    - 1 (its hidden state h [B, dim]), then k-1 chained MTP decode steps at positions start, start + 1, ... ->
     (drafts [B, k], their distributions q [B, k, vocab], None for a greedy batch)."""
-    B = len(start)
+    B, k = len(start), batch.tokens.shape[1] - 1
     rows = torch.arange(B, device=start.device)
     tokens, dists = [], []
     for step in range(k):
         if step:
-            meta = Meta("decode", start + (step - 1), rows, batch.table, list(range(B + 1)), batch.max_ctx)
+            meta = Meta("decode", start + (step - 1), rows, table, list(range(B + 1)), table.shape[1])
             h = model.mtp_forward(tokens[-1], h, meta, cache)
-            logits = model.mtp[0].logits(h)
         positions = start + (step + 1) if batch.sp.sampling else None  # (a greedy draft: an argmax)
-        token, q = draw(model.ops, logits, batch.sp, positions, DRAFT)
+        token, q = draw(model.ops, model.mtp[0].logits(h), batch.sp, positions, DRAFT)
         tokens.append(token)
         dists.append(q)
     q = torch.stack(dists, 1) if batch.sp.sampling else None
@@ -1507,9 +1493,9 @@ class CudaGraphs:
         context = max_context + round_lookahead(num_draft) + 1  # the furthest position a round writes, +1
         self.max_width = -(-context // page_size) * page_size
         sp = Sampling(zeros(bs), zeros(bs).float(), zeros(bs).float() + 1, False)
-        table = zeros(bs, self.max_width)
-        q = torch.zeros(bs, num_draft, model.cfg.vocab_size, device=table.device) if num_draft else None
-        self.static = Batch(zeros(bs, num_draft + 1), zeros(bs), q, table, zeros(bs), sp, 0)  # every graph's
+        self.table = zeros(bs, self.max_width)
+        q = torch.zeros(bs, num_draft, model.cfg.vocab_size, device=self.table.device) if num_draft else None
+        self.static = Batch(zeros(bs, num_draft + 1), zeros(bs), q, sp)  # every graph's
         self.graphs = {}
         self.pool = None  # one memory pool for all of them
 
@@ -1533,9 +1519,9 @@ class CudaGraphs:
                 if theirs is not None:
                     mine[:B], mine[B:bs] = theirs, 0
             s.sp.top_p[B:bs], s.sp.sampling = 1, batch.sp.sampling
-        s.table[:B, : table.shape[1]] = table
+        self.table[:B, : table.shape[1]] = table
         if B < bs:
-            s.table[B:bs, : key[1]] = 0  # (so every position of a padding row is the dummy slot)
+            self.table[B:bs, : key[1]] = 0  # (so every position of a padding row is the dummy slot)
         if key not in self.graphs:
             self.capture(key)
         graph, out = self.graphs[key]
@@ -1548,13 +1534,13 @@ class CudaGraphs:
         for it, then restored."""
         t0 = time.perf_counter()
         (bs, width, sampling), s = key, self.static
-        kept = [(t, t.clone()) for t in s.tensors() + [s.table] if t is not None]
+        kept = [(t, t.clone()) for t in s.tensors() + [self.table] if t is not None]
         for t, _ in kept:
             t.zero_()
         q = s.q[:bs] if sampling and s.q is not None else None  # (k = 0: no drafts)
         sp = Sampling(s.sp.seeds[:bs], s.sp.temperature[:bs], s.sp.top_p[:bs], sampling)
-        batch = Batch(s.tokens[:bs], s.start[:bs], q, s.table[:bs, :width], s.live[:bs], sp, width)
-        round_ = functools.partial(speculative_round, self.model, self.cache, batch)
+        batch = Batch(s.tokens[:bs], s.start[:bs], q, sp)
+        round_ = functools.partial(speculative_round, self.model, self.cache, batch, self.table[:bs, :width])
         graph, out = self.model.ops.capture(round_, self.pool)  # (kernels.capture: after a warm-up run)
         for t, saved in kept:
             t.copy_(saved)
@@ -1724,8 +1710,7 @@ class LLM:
         if self.graphs:
             self.batch, (settled, logits) = self.graphs.run(self.batch, len(reqs), table, bound)
         else:
-            self.batch.table, self.batch.max_ctx = table, bound
-            settled, logits = speculative_round(self.model, self.cache, self.batch)
+            settled, logits = speculative_round(self.model, self.cache, self.batch, table[:, :bound])
         if any(r.return_logits for r in reqs):  # (a CUDA graph's next replay overwrites them)
             logits = logits.clone()
         # round n+1 is queued; round n (`previous`: None right after a settle) is applied only now, so the
@@ -1748,8 +1733,7 @@ class LLM:
             V = self.cfg.vocab_size
             q = torch.stack([r.q if r.q is not None else F.one_hot(r.draft, V) for r in reqs])
             q = q.to(acc_dtype(tokens))  # (acc_dtype reads only the device)
-        live = torch.ones(len(reqs), dtype=torch.long, device=self.device)
-        return Batch(tokens, host[:, 1].clone(), q, None, live, sp, 0)
+        return Batch(tokens, host[:, 1].clone(), q, sp)
 
     def settle(self):
         """Accept the round in flight, if any, and keep each request's next drafts: the round left them in

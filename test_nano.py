@@ -741,7 +741,8 @@ def oracle_drafts(monkeypatch, prompts, reference, wrong_every=7):
 
     on_device = {}  # the table on each device, copied at the first (eager) call: a CUDA graph captures it
 
-    def draft(model, cache, h, logits, start, batch, k):
+    def draft(model, cache, h, start, batch, table):
+        k = batch.tokens.shape[1] - 1
         if start.device not in on_device:
             on_device[start.device] = want.to(start.device)
         table = on_device[start.device]
@@ -1084,8 +1085,8 @@ def test_mtp_drafts_match_recomputed_mtp(tiny_dir, tmp_path, monkeypatch, mtp_la
     records = []
     orig = m.draft
 
-    def draft(model, cache, h, logits, start, batch, k):
-        drafts, q = orig(model, cache, h, logits, start, batch, k)
+    def draft(model, cache, h, start, batch, table):
+        drafts, q = orig(model, cache, h, start, batch, table)
         records.extend(zip(batch.sp.seeds.tolist(), start.tolist(), drafts.tolist(), strict=True))
         return drafts, q
 
@@ -2080,6 +2081,21 @@ def test_eos_stops_generation_inside_accepted_drafts(tiny_dir, monkeypatch):
         for r, want in zip(out, ref, strict=True):
             cut = want.index(eos) if eos in want else len(want)
             assert r.token_ids == want[:cut] and r.finish_reason == ("eos" if eos in want else "length")
+
+
+def test_finish_reason_does_not_depend_on_rounds():
+    """EOS right after the last token the budget allows: "length", whether the two arrive in one round
+    (accepted drafts) or in two (--mtp 0)."""
+
+    def emitted(rounds):
+        r = m.Request(0, [5], 1, 2, 0.0, 1.0, 0)  # a budget of 2 new tokens
+        for tokens in rounds:
+            if r.finish is None:
+                r.emit(tokens, None, eos_id=1)
+        return r.generated, r.finish
+
+    assert emitted([[7, 8, 1]]) == emitted([[7], [8], [1]]) == ([7, 8], "length")
+    assert emitted([[7, 1, 9]]) == emitted([[7], [1]]) == ([7], "eos")
 
 
 def test_first_token_eos_with_logits(tiny_dir, monkeypatch):
