@@ -914,8 +914,7 @@ def _probs_kernel(
     the weights e = exp(y - max), stored in the output row (each later pass reads these very bits) with their
     total z; nine passes of a 17-way search over float bits for the nucleus threshold (the weight above a
     value falls as the value rises, and the nucleus keeps what is above the smallest value whose weight above
-    is below top_p z); the kept weight; then the kept weights normalized. A greedy row (T = 0) runs only the
-    first pass and the last, which writes its one-hot."""
+    is below top_p z); the kept weight; then the kept weights normalized (a greedy row: one-hot)."""
     r = tl.program_id(0)
     row = out_ptr + r.to(tl.int64) * V
     t = tl.load(temp_ptr + r)
@@ -930,9 +929,8 @@ def _probs_kernel(
         best = tl.max(y, 0)
         first = tl.where(best > m, start + tl.argmax(y, 0), first)
         m = tl.maximum(m, best)
-    n = tl.where(t == 0, 0, V)  # the entries the middle passes read: none for a greedy row
     z = tl.zeros([], tl.float32)
-    for start in range(0, n, BLOCK):
+    for start in range(0, V, BLOCK):
         y = tl.load(x_ptr + r.to(tl.int64) * V + start + cols, mask=start + cols < V, other=-float("inf"))
         e = tl.where(start + cols < V, tl.exp(y / temp - m), 0.0)
         tl.store(row + start + cols, e, mask=start + cols < V)
@@ -942,12 +940,11 @@ def _probs_kernel(
     target = target * z
     lo, hi = tl.zeros([], tl.int64), top
     k = tl.arange(0, 16)
-    # the span of candidate bits shrinks 17 times a pass: from 2^30 to 0 in nine (none for a greedy row)
-    for _pass in range(tl.where(t == 0, 0, 9)):
+    for _pass in range(9):  # the span of candidate bits shrinks 17 times a pass: from 2^30 to 0 in nine
         c = lo + ((hi - lo) * (k + 1)) // 17  # [16] candidate thresholds, as float bits
         v = c.to(tl.int32).to(tl.float32, bitcast=True)
         g = tl.zeros([16], tl.float32)  # the weight above each candidate
-        for start in range(0, n, SEARCH):
+        for start in range(0, V, SEARCH):
             e = tl.load(row + start + tl.arange(0, SEARCH), mask=start + tl.arange(0, SEARCH) < V, other=0.0)
             g += tl.sum(tl.where(e[:, None] > v[None, :], e[:, None], 0.0), 0)
         n_above = tl.sum((g >= target).to(tl.int32), 0)  # candidates with too much weight above: the first
@@ -955,11 +952,11 @@ def _probs_kernel(
         lo = tl.where(n_above > 0, tl.sum(tl.where(k == n_above - 1, c, 0), 0) + 1, lo)
     v0 = hi.to(tl.int32).to(tl.float32, bitcast=True)
     g0 = tl.zeros([], tl.float32)
-    for start in range(0, n, BLOCK):
+    for start in range(0, V, BLOCK):
         e = tl.load(row + start + cols, mask=start + cols < V, other=0.0)
         g0 += tl.sum(tl.where(e > v0, e, 0.0), 0)
     kept, tied = tl.zeros([], tl.float32), tl.zeros([], tl.int32)
-    for start in range(0, n, BLOCK):
+    for start in range(0, V, BLOCK):
         e = tl.load(row + start + cols, mask=start + cols < V, other=0.0)
         keep, tied = _nucleus(e, start + cols < V, v0, g0, target, tied)
         kept += tl.sum(tl.where(keep, e, 0.0), 0)

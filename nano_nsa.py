@@ -1633,8 +1633,6 @@ class LLM:
         ids. max_new_tokens and seed: one value for every prompt or a list of one per prompt (one seed s:
         prompt i draws with seed s + i; None: a fresh one)."""
         prompts = checks.check_generate_args(prompts, dict(locals()), on_tokens)
-        if not prompts:
-            return []
         reqs = self.make_requests(prompts, max_new_tokens, temperature, top_p, seed, thinking, raw)
         for r in reqs:
             r.return_logits, r.on_tokens = return_logits, on_tokens

@@ -2098,6 +2098,11 @@ def test_finish_reason_does_not_depend_on_rounds():
     assert emitted([[7, 1, 9]]) == emitted([[7], [1]]) == ([7], "eos")
 
 
+def test_generate_of_no_prompts(tiny_dir):
+    llm = make_llm(tiny_dir, 1)
+    assert llm.generate([]) == [] and llm.stats["tokens"] == 0 and llm.stats["decode_rounds"] == 0
+
+
 def test_first_token_eos_with_logits(tiny_dir, monkeypatch):
     """A request whose first token is EOS returns no tokens and an empty logits matrix (it used to crash)."""
     llm = make_llm(tiny_dir, 1)
