@@ -1005,12 +1005,14 @@ def capture(fn, pool):
     fn()
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
+    collecting = gc.isenabled()
     gc.disable()  # an old engine's graphs, freed by the collector during a capture, would break it
     try:
         with torch.cuda.graph(graph, pool):
             out = fn()
     finally:
-        gc.enable()
+        if collecting:  # (as the caller had it)
+            gc.enable()
     return graph, out
 
 
