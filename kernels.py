@@ -767,8 +767,8 @@ def _stack(lins):
 
 def prepare(model):
     """The GPU's prepare (nano_nsa.dequantize_weights is the references'), called once by Transformer.bind:
-    every MLA's wq_a | indexer.wk | wkv_a (kv_a's 576 rows last) and every SwiGLU's w1 | w3 (dense MLPs and
-    the routed experts) stacked (_stack)."""
+    plain weights in bf16; every MLA's wq_a | indexer.wk | wkv_a (kv_a's 576 rows last) and every
+    SwiGLU's w1 | w3 (dense MLPs and the routed experts) stacked (_stack)."""
     for mod in model.modules():
         if getattr(mod, "fp8", None) is False:  # a plain Linear (lm_head etc.): bf16, as in the checkpoint
             mod.weight.data = mod.weight.data.to(BF16)
@@ -1033,7 +1033,7 @@ def read_back(x):
 
 # ---- The kernel set: the names and signatures of nano_nsa.TORCH_OPS, and `capture` ----
 def bf16_dtype(w):
-    """bf16, whatever w's dtype: attn_dtype (wkv_b's absorbed halves) and dense_dtype (plain weights)."""
+    """bf16, whatever w's dtype: attn_dtype (wkv_b's absorbed halves)."""
     return BF16
 
 

@@ -1408,7 +1408,9 @@ class Batch:
 def speculative_round(model, cache, batch: Batch, table):
     """One decode round of every request of the batch, on the device with no host synchronization (a CUDA
     graph captures it whole) -> (settled [B, k+2]: the emitted tokens, then how many; the verify logits [B,
-    k+1, V]); `batch` then holds the next round's inputs. The four phases:
+    k+1, V]); `batch` then holds the next round's inputs. table [B, W]: the requests' page-table rows, W a
+    bound on every causal length (the width the indexer scores; a CUDA graph's padding row is all slot 0, and
+    its start stays at 0). The four phases:
     1. verify: the main model over x_L, d_1..d_k of every request, each a decode row of its own, with its own
        position and causal length (the indexer masks each row's future before its top-k);
     2. accept: the drafts the main model agrees with, then one token of its own (accept);

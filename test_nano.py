@@ -739,16 +739,16 @@ def oracle_drafts(monkeypatch, prompts, reference, wrong_every=7):
     width = max(len(x) for x in seqs) + 64
     want = torch.tensor([x + [5] * (width - len(x)) for x in seqs])  # [n, width]: the token at each position
 
-    on_device = {}  # the table on each device, copied at the first (eager) call: a CUDA graph captures it
+    on_device = {}  # `want` on each device, copied at the first (eager) call: a CUDA graph captures it
 
     def draft(model, cache, h, start, batch, table):
         k = batch.tokens.shape[1] - 1
         if start.device not in on_device:
             on_device[start.device] = want.to(start.device)
-        table = on_device[start.device]
+        truth = on_device[start.device]
         seeds = batch.sp.seeds[:, None]
         pos = (start[:, None] + 1 + torch.arange(k, device=start.device)).clamp(max=width - 1)  # d_1..d_k
-        t = table[seeds.clamp(max=len(seqs) - 1), pos]
+        t = truth[seeds.clamp(max=len(seqs) - 1), pos]
         return torch.where((pos + seeds) % wrong_every == 0, (t + 1) % 262, t), None
 
     monkeypatch.setattr(m, "draft", draft)
