@@ -9,8 +9,9 @@ Batch invariance: a row's result never depends on the other rows of its batch (d
 tile shapes and split-K come from the weight's shape, attention splits from the row's own selection, and every
 reduction runs in a fixed order (no float atomics).
 
-The FP8 act-quant, GEMMs and grouped MoE live in fp8_gemm.py, re-exported here. Triton and flashinfer are
-imported by these two modules only: nano_nsa imports this one on a CUDA device alone.
+The FP8 act-quant, GEMMs and grouped MoE live in fp8_gemm.py, the sampling kernels in sampling_kernels.py,
+both re-exported here. Triton and flashinfer are imported by these three modules only: nano_nsa imports this
+one on a CUDA device alone.
 """
 
 import gc
@@ -46,6 +47,7 @@ from fp8_gemm import (  # noqa: F401  (re-exported: kernels.act_quant, kernels.g
     stream_depth,
     swiglu_linear,
 )
+from sampling_kernels import probs_from_logits, sample, uniform
 
 
 def unsupported(device: torch.device):
@@ -809,192 +811,6 @@ def moe(x, weights, idx, experts):
         w1, w3 = experts.w1, experts.w3
         stacked = (torch.cat([w1.weight, w3.weight], 1), torch.cat([w1.scale, w3.scale], 1))
     return moe_grouped(x, weights, idx, stacked[0], stacked[1], *experts.w2.operands())
-
-
-# ---- Sampling's random numbers: a counter-based hash of (seed, position, stream, column) ----
-@triton.jit
-def _mix32(x):
-    """nano_nsa.mix32 on int64 holding 32-bit values (the same integer steps: the same bits)."""
-    x = (((x >> 16) ^ x) * 0x45D9F3B) & 0xFFFFFFFF
-    x = (((x >> 16) ^ x) * 0x45D9F3B) & 0xFFFFFFFF
-    return (x >> 16) ^ x
-
-
-@triton.jit
-def _row_key(seed_ptr, pos_ptr, r, stream):
-    """Row r's key: nano_nsa.uniform's hash of its seed, its position and the stream."""
-    seed = tl.load(seed_ptr + r)
-    key = _mix32(_mix32(_mix32(seed & 0xFFFFFFFF) ^ (seed >> 32)) ^ tl.load(pos_ptr + r))
-    return _mix32(key ^ stream)
-
-
-@triton.jit
-def _uniform_block(key, cols):
-    """The uniform numbers of a row's columns cols, from its key (24 bits: exact in fp32, never 0 or 1)."""
-    return ((_mix32(_mix32(key ^ cols.to(tl.int64))) >> 8).to(tl.float32) + 0.5) / 16777216.0
-
-
-@triton.jit
-def _uniform_kernel(seed_ptr, pos_ptr, out_ptr, n, stream, BLOCK: tl.constexpr):
-    """One row (a seed and a position) per program's first axis, BLOCK columns per its second."""
-    r = tl.program_id(0)
-    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-    u = _uniform_block(_row_key(seed_ptr, pos_ptr, r, stream), cols)
-    tl.store(out_ptr + r * n + cols, u, mask=cols < n)
-
-
-def _seeded_rows(seeds, positions):
-    """(seeds, positions) broadcast together and flattened to one per row, and the rows' shape."""
-    seeds, positions = torch.broadcast_tensors(seeds, positions)
-    return seeds.reshape(-1).contiguous(), positions.reshape(-1).contiguous(), positions.shape
-
-
-def uniform(seeds, positions, stream, n):
-    """Kernel of nano_nsa.uniform, bit for bit: one launch instead of some twenty elementwise ones."""
-    seeds, positions, shape = _seeded_rows(seeds, positions)
-    out = torch.empty(len(positions), n, dtype=torch.float32, device=positions.device)
-    BLOCK = min(1024, triton.next_power_of_2(n))
-    if len(positions):
-        _uniform_kernel[(len(positions), triton.cdiv(n, BLOCK))](
-            seeds, positions, out, n, stream, BLOCK=BLOCK
-        )
-    return out.view(*shape, n)
-
-
-@triton.jit
-def _sample_kernel(p_ptr, seed_ptr, pos_ptr, out_ptr, V: tl.constexpr, stream, BLOCK: tl.constexpr):
-    """One row per program: its uniform numbers as _uniform_kernel makes them, E = -log u, and the first
-    argmax of p / E over the row's blocks."""
-    r = tl.program_id(0)
-    key = _row_key(seed_ptr, pos_ptr, r, stream)
-    best = tl.zeros([], tl.float32) - 1.0
-    first = tl.zeros([], tl.int32)
-    for start in range(0, V, BLOCK):
-        cols = start + tl.arange(0, BLOCK)
-        p = tl.load(p_ptr + r.to(tl.int64) * V + cols, mask=cols < V, other=-1.0)
-        race = tl.where(cols < V, p / -tl.log(_uniform_block(key, cols)), -1.0)
-        top = tl.max(race, 0)
-        first = tl.where(top > best, start + tl.argmax(race, 0), first)
-        best = tl.maximum(best, top)
-    tl.store(out_ptr + r, first.to(tl.int64))
-
-
-def sample(probs, seeds, positions, stream):
-    """Kernel of nano_nsa.sample: the numbers, the race and its argmax in one launch per call (the reference's
-    seven). (Its log may round the last bit otherwise than torch's: a tie in p / E could then go another
-    way.)"""
-    seeds, positions, shape = _seeded_rows(seeds, positions)
-    p = probs.reshape(-1, probs.shape[-1]).float().contiguous()
-    out = torch.empty(len(p), dtype=torch.long, device=p.device)
-    V = p.shape[1]
-    if len(p):
-        _sample_kernel[(len(p),)](
-            p, seeds, positions, out, V, stream, BLOCK=min(1024, triton.next_power_of_2(V))
-        )
-    return out.view(shape)
-
-
-# ---- Sampling distributions: softmax(logits / T) cut to the top-p nucleus, one program per row ----
-@triton.jit
-def _nucleus(e, mask, v0, g0, target, tied_before):
-    """Which of a block's weights e the nucleus keeps: all above the threshold v0, and of those equal to it
-    the first ones in index order while the weight before them (g0 above v0, then the ties before) stays below
-    target (top_p times the row's total)."""
-    tied = (e == v0) & mask
-    rank = tied_before + tl.cumsum(tied.to(tl.int32), 0) - tied.to(tl.int32)
-    keep = (e > v0) | (tied & (g0 + rank.to(tl.float32) * v0 < target))
-    return keep & mask, tied_before + tl.sum(tied.to(tl.int32), 0)
-
-
-@triton.jit
-def _probs_kernel(
-    x_ptr, temp_ptr, top_p_ptr, out_ptr, V: tl.constexpr, BLOCK: tl.constexpr, SEARCH: tl.constexpr
-):
-    """One row per program, in passes over its V entries in blocks: the max of logits / T and its first index;
-    the weights e = exp(y - max), stored in the output row (each later pass reads these very bits) with their
-    total z; nine passes of a 17-way search over float bits for the nucleus threshold (the weight above a
-    value falls as the value rises, and the nucleus keeps what is above the smallest value whose weight above
-    is below top_p z); the kept weight; then the kept weights normalized (a greedy row: one-hot)."""
-    r = tl.program_id(0)
-    row = out_ptr + r.to(tl.int64) * V
-    t = tl.load(temp_ptr + r)
-    target = tl.load(top_p_ptr + r)
-    temp = tl.where(t == 0, 1.0, t)
-    cols = tl.arange(0, BLOCK)
-    m = tl.zeros([], tl.float32) - float("inf")
-    first = tl.zeros([], tl.int32)
-    for start in range(0, V, BLOCK):
-        y = tl.load(x_ptr + r.to(tl.int64) * V + start + cols, mask=start + cols < V, other=-float("inf"))
-        y = y / temp
-        best = tl.max(y, 0)
-        first = tl.where(best > m, start + tl.argmax(y, 0), first)
-        m = tl.maximum(m, best)
-    z = tl.zeros([], tl.float32)
-    for start in range(0, V, BLOCK):
-        y = tl.load(x_ptr + r.to(tl.int64) * V + start + cols, mask=start + cols < V, other=-float("inf"))
-        e = tl.where(start + cols < V, tl.exp(y / temp - m), 0.0)
-        tl.store(row + start + cols, e, mask=start + cols < V)
-        z += tl.sum(e, 0)
-    tl.debug_barrier()  # (the weights stored above, read back below by other threads of the program)
-    top = tl.where(target < 1.0, 0x3F800000, 0).to(tl.int64)  # bits of 1.0 (the largest e) or 0 (keep all)
-    target = target * z
-    lo, hi = tl.zeros([], tl.int64), top
-    k = tl.arange(0, 16)
-    for _pass in range(9):  # the span of candidate bits shrinks 17 times a pass: from 2^30 to 0 in nine
-        c = lo + ((hi - lo) * (k + 1)) // 17  # [16] candidate thresholds, as float bits
-        v = c.to(tl.int32).to(tl.float32, bitcast=True)
-        g = tl.zeros([16], tl.float32)  # the weight above each candidate
-        for start in range(0, V, SEARCH):
-            e = tl.load(row + start + tl.arange(0, SEARCH), mask=start + tl.arange(0, SEARCH) < V, other=0.0)
-            g += tl.sum(tl.where(e[:, None] > v[None, :], e[:, None], 0.0), 0)
-        n_above = tl.sum((g >= target).to(tl.int32), 0)  # candidates with too much weight above: the first
-        hi = tl.where(n_above < 16, tl.sum(tl.where(k == n_above, c, 0), 0), hi)
-        lo = tl.where(n_above > 0, tl.sum(tl.where(k == n_above - 1, c, 0), 0) + 1, lo)
-    v0 = hi.to(tl.int32).to(tl.float32, bitcast=True)
-    g0 = tl.zeros([], tl.float32)
-    for start in range(0, V, BLOCK):
-        e = tl.load(row + start + cols, mask=start + cols < V, other=0.0)
-        g0 += tl.sum(tl.where(e > v0, e, 0.0), 0)
-    kept, tied = tl.zeros([], tl.float32), tl.zeros([], tl.int32)
-    for start in range(0, V, BLOCK):
-        e = tl.load(row + start + cols, mask=start + cols < V, other=0.0)
-        keep, tied = _nucleus(e, start + cols < V, v0, g0, target, tied)
-        kept += tl.sum(tl.where(keep, e, 0.0), 0)
-    tl.debug_barrier()
-    tied = tl.zeros([], tl.int32)
-    for start in range(0, V, BLOCK):
-        e = tl.load(row + start + cols, mask=start + cols < V, other=0.0)
-        keep, tied = _nucleus(e, start + cols < V, v0, g0, target, tied)
-        out = tl.where(t == 0, (start + cols == first).to(tl.float32), tl.where(keep, e / kept, 0.0))
-        tl.store(row + start + cols, out, mask=start + cols < V)
-
-
-def probs_from_logits(logits, temperature, top_p):
-    """Kernel of nano_nsa.probs_from_logits: one launch for every row instead of some twenty kernels (a
-    sampled round runs k + 1 of them). Its sums run in another order than the reference's, which may move a
-    token at the nucleus' edge where the mass before it is within rounding of top_p."""
-    shape = logits.shape
-    x = logits.reshape(-1, shape[-1]).float().contiguous()
-    t = temperature.expand(shape[:-1]).reshape(-1).float().contiguous()
-    tp = top_p.expand(shape[:-1]).reshape(-1).float().contiguous()
-    out = torch.empty_like(x)
-    V = x.shape[1]
-    # a row is one program: over a full vocabulary, wider passes with more warps (a row of 129280 on an H200:
-    # 0.77 ms, against 2.57 in the small-vocabulary shape)
-    wide = V > 16384
-    BLOCK, SEARCH = (4096, 2048) if wide else (1024, 256)
-    if len(x):
-        _probs_kernel[(len(x),)](
-            x,
-            t,
-            tp,
-            out,
-            V,
-            BLOCK=min(BLOCK, triton.next_power_of_2(V)),
-            SEARCH=min(SEARCH, triton.next_power_of_2(V)),
-            num_warps=16 if wide else 4,
-        )
-    return out.view(shape)
 
 
 # ---- The engine's GPU mechanics: CUDA graph capture and the read-back of a round ----

@@ -1,0 +1,274 @@
+"""The engine's sampling kernels (nano_nsa's "Sampling and speculative acceptance"): the counter-based uniform
+numbers, the exponential race that draws a token (sample), and the softmax cut to the top-p nucleus
+(probs_from_logits). Each public function's torch reference is the function of the same name in nano_nsa.py;
+kernels.py re-exports them. Over a full vocabulary a row is split over programs (split_rows): one program a
+row of 129,280 tokens left the GPU idle (0.77 ms a probs_from_logits row on an H200, 74 us split).
+"""
+
+import torch
+import triton
+import triton.language as tl
+
+
+# ---- Sampling's random numbers: a counter-based hash of (seed, position, stream, column) ----
+@triton.jit
+def _mix32(x):
+    """nano_nsa.mix32 on int64 holding 32-bit values (the same integer steps: the same bits)."""
+    x = (((x >> 16) ^ x) * 0x45D9F3B) & 0xFFFFFFFF
+    x = (((x >> 16) ^ x) * 0x45D9F3B) & 0xFFFFFFFF
+    return (x >> 16) ^ x
+
+
+@triton.jit
+def _row_key(seed_ptr, pos_ptr, r, stream):
+    """Row r's key: nano_nsa.uniform's hash of its seed, its position and the stream."""
+    seed = tl.load(seed_ptr + r)
+    key = _mix32(_mix32(_mix32(seed & 0xFFFFFFFF) ^ (seed >> 32)) ^ tl.load(pos_ptr + r))
+    return _mix32(key ^ stream)
+
+
+@triton.jit
+def _uniform_block(key, cols):
+    """The uniform numbers of a row's columns cols, from its key (24 bits: exact in fp32, never 0 or 1)."""
+    return ((_mix32(_mix32(key ^ cols.to(tl.int64))) >> 8).to(tl.float32) + 0.5) / 16777216.0
+
+
+@triton.jit
+def _uniform_kernel(seed_ptr, pos_ptr, out_ptr, n, stream, BLOCK: tl.constexpr):
+    """One row (a seed and a position) per program's first axis, BLOCK columns per its second."""
+    r = tl.program_id(0)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    u = _uniform_block(_row_key(seed_ptr, pos_ptr, r, stream), cols)
+    tl.store(out_ptr + r * n + cols, u, mask=cols < n)
+
+
+def _seeded_rows(seeds, positions):
+    """(seeds, positions) broadcast together and flattened to one per row, and the rows' shape."""
+    seeds, positions = torch.broadcast_tensors(seeds, positions)
+    return seeds.reshape(-1).contiguous(), positions.reshape(-1).contiguous(), positions.shape
+
+
+def uniform(seeds, positions, stream, n):
+    """Kernel of nano_nsa.uniform, bit for bit: one launch instead of some twenty elementwise ones."""
+    seeds, positions, shape = _seeded_rows(seeds, positions)
+    out = torch.empty(len(positions), n, dtype=torch.float32, device=positions.device)
+    BLOCK = min(1024, triton.next_power_of_2(n))
+    if len(positions):
+        _uniform_kernel[(len(positions), triton.cdiv(n, BLOCK))](
+            seeds, positions, out, n, stream, BLOCK=BLOCK
+        )
+    return out.view(*shape, n)
+
+
+# ---- Sampling: the race and the nucleus, a row split over programs ----
+# One program per row leaves the GPU idle over a full vocabulary (0.77 ms a row of 129,280 on an H200). So a
+# row is split into chunks of ROW_CHUNK entries, a program each, and the kernels run in phases: each reads
+# what the phases before left for the whole row in a small fp32 workspace [row, field, chunk] (indices and
+# counts are exact in it), summed in chunk order whatever the batch. A row of one chunk (up to four
+# ROW_CHUNKs) runs every phase in one program and one launch, a longer one a launch per phase.
+ROW_CHUNK = 4096
+PASSES = tl.constexpr(8)  # of the nucleus threshold's search: 16 values a pass, 2^30 float bits to one in 8
+
+
+def split_rows(kernel, x, fields, phases, *args, **shape):
+    """kernel(x, *args, workspace, V, FIRST, LAST, CHUNK, SP) over x's rows x their chunks, for phases 0 ..
+    phases - 1: the first to the last of a launch."""
+    rows, V = x.shape
+    S = 1 if V <= 4 * ROW_CHUNK else triton.cdiv(V, ROW_CHUNK)
+    chunk = triton.next_power_of_2(V) if S == 1 else ROW_CHUNK
+    ws = torch.empty(rows, fields, S, device=x.device)
+    for first, last in [(0, phases - 1)] if S == 1 else [(p, p) for p in range(phases)]:
+        kernel[(rows, S)](x, *args, ws, V, first, last, chunk, triton.next_power_of_2(S), **shape)
+
+
+@triton.jit
+def _chunk_sum(ws, field, before, SP: tl.constexpr):
+    """A workspace field summed over the row's chunks before `before`, in chunk order."""
+    s = tl.arange(0, SP)
+    return tl.sum(tl.load(ws + field * tl.num_programs(1) + s, mask=s < before, other=0.0), 0)
+
+
+@triton.jit
+def _row_argmax(ws, SP: tl.constexpr):
+    """The row's first argmax, from its chunks' maxima (workspace field 0) and their first indices (1)."""
+    s, S = tl.arange(0, SP), tl.num_programs(1)
+    best = tl.load(ws + s, mask=s < S, other=-float("inf"))
+    winner = tl.min(tl.where(best == tl.max(best, 0), s, SP), 0)  # the first chunk holding the max
+    return tl.load(ws + S + winner).to(tl.int32)
+
+
+@triton.jit
+def _sample_kernel(
+    p_ptr,
+    seed_ptr,
+    pos_ptr,
+    out_ptr,
+    stream,
+    ws_ptr,
+    V,
+    FIRST: tl.constexpr,
+    LAST: tl.constexpr,
+    CHUNK: tl.constexpr,
+    SP: tl.constexpr,
+):
+    """Phase 0, per chunk: its max of the race p / E (E = -log u, u as _uniform_kernel makes them; -1 past
+    the row) and its first index. Phase 1, chunk 0: the row's first argmax."""
+    r, c = tl.program_id(0), tl.program_id(1)
+    ws = ws_ptr + r.to(tl.int64) * 2 * tl.num_programs(1)
+    for phase in tl.static_range(FIRST, LAST + 1):
+        if phase == 0:
+            key = _row_key(seed_ptr, pos_ptr, r, stream)
+            best, first = tl.zeros([], tl.float32) - 1.0, tl.zeros([], tl.int32)
+            for i in range(0, CHUNK, 1024):
+                cols = c * CHUNK + i + tl.arange(0, 1024)
+                p = tl.load(p_ptr + r.to(tl.int64) * V + cols, mask=cols < V, other=-1.0)
+                race = tl.where(cols < V, p / -tl.log(_uniform_block(key, cols)), -1.0)
+                first = tl.where(tl.max(race, 0) > best, c * CHUNK + i + tl.argmax(race, 0), first)
+                best = tl.maximum(best, tl.max(race, 0))
+            tl.store(ws + c, best)
+            tl.store(ws + tl.num_programs(1) + c, first.to(tl.float32))
+        elif c == 0:
+            tl.store(out_ptr + r, _row_argmax(ws, SP).to(tl.int64))
+        tl.debug_barrier()  # (what a phase stored, read by the program's other threads in the next)
+
+
+def sample(probs, seeds, positions, stream):
+    """Kernel of nano_nsa.sample: the numbers, the race and its argmax in one launch per call (two over a full
+    vocabulary; the reference's seven). (Its log may round the last bit otherwise than torch's: a tie in p / E
+    could then go another way.)"""
+    seeds, positions, shape = _seeded_rows(seeds, positions)
+    p = probs.reshape(-1, probs.shape[-1]).float().contiguous()
+    out = torch.empty(len(p), dtype=torch.long, device=p.device)
+    if len(p):
+        split_rows(_sample_kernel, p, 2, 2, seeds, positions, out, stream)
+    return out.view(shape)
+
+
+@triton.jit
+def _nucleus(e, mask, v0, g0, target, tied_before):
+    """Which of a block's weights e the nucleus keeps: all above the threshold v0, and of those equal to it
+    the first ones in index order while the weight before them (g0 above v0, then the ties before) stays below
+    target (top_p times the row's total)."""
+    tied = (e == v0) & mask
+    rank = tied_before + tl.cumsum(tied.to(tl.int32), 0) - tied.to(tl.int32)
+    keep = (e > v0) | (tied & (g0 + rank.to(tl.float32) * v0 < target))
+    return keep & mask, tied_before + tl.sum(tied.to(tl.int32), 0)
+
+
+@triton.jit
+def _bounds(ws, p, target, top, SP: tl.constexpr):
+    """The threshold's search over float bits: the bits [lo, hi] left to search pass p (p = PASSES: hi is the
+    threshold v0). The weight above a value falls as the value rises; v0 is the smallest value whose weight
+    above is below target. A pass tries 16 values between lo and hi and keeps the span between the two
+    around v0; its first chunk stores the bounds it narrowed [6 + 2 p, 7 + 2 p: float bits as fp32]."""
+    if p == 0:
+        return tl.zeros([], tl.int64), top
+    k, s, S = tl.arange(0, 16), tl.arange(0, SP), tl.num_programs(1)
+    lo = tl.load(ws + (4 + 2 * p) * S).to(tl.int32, bitcast=True).to(tl.int64)  # (pass p - 1's bounds)
+    hi = tl.load(ws + (5 + 2 * p) * S).to(tl.int32, bitcast=True).to(tl.int64)
+    c = lo + ((hi - lo) * (k + 1)) // 17  # [16] the values pass p - 1 tried, as float bits
+    g = tl.load(
+        ws + (6 + 2 * PASSES + 16 * (p - 1) + k[:, None]) * S + s[None, :], mask=s[None, :] < S, other=0.0
+    )
+    n_above = tl.sum((tl.sum(g, 1) >= target).to(tl.int32), 0)  # the values with too much weight above
+    hi_next = tl.where(n_above < 16, tl.sum(tl.where(k == n_above, c, 0), 0), hi)
+    return tl.where(n_above > 0, tl.sum(tl.where(k == n_above - 1, c, 0), 0) + 1, lo), hi_next
+
+
+@triton.jit
+def _probs_kernel(
+    x_ptr,
+    temp_ptr,
+    top_p_ptr,
+    out_ptr,
+    ws_ptr,
+    V,
+    FIRST: tl.constexpr,
+    LAST: tl.constexpr,
+    CHUNK: tl.constexpr,
+    SP: tl.constexpr,
+):
+    """Per chunk of a row, in phases [the workspace fields each leaves]: 0 the max of y = logits / T and its
+    first index [0, 1]; 1 the weights e = exp(y - max), stored in the output row (later phases read these
+    very bits), and their total z [2]; 2 .. PASSES + 1 the threshold's search (_bounds): the weight above each
+    value a pass tries [6 + 2 PASSES + 16 pass + j]; then the weight above the threshold v0 [3] and the count
+    of weights equal to it [4]; the weight the nucleus keeps [5]; the kept weights normalized. A greedy row (T
+    = 0) runs only the first phase and the last, which writes its one-hot."""
+    r, c, S = tl.program_id(0), tl.program_id(1), tl.num_programs(1)
+    x, row = x_ptr + r.to(tl.int64) * V, out_ptr + r.to(tl.int64) * V
+    ws = ws_ptr + r.to(tl.int64) * (6 + 18 * PASSES) * S
+    t, top_p = tl.load(temp_ptr + r), tl.load(top_p_ptr + r)
+    top = tl.where(top_p < 1.0, 0x3F800000, 0).to(
+        tl.int64
+    )  # bits of 1.0 (the largest e), or 0: keep every token
+    k, s = tl.arange(0, 16), tl.arange(0, SP)
+    for phase in tl.static_range(FIRST, LAST + 1):
+        if (t != 0) | (phase == 0) | (phase == PASSES + 4):
+            STEP: tl.constexpr = 1024 if phase < 2 else 256 if phase < PASSES + 2 else 1024  # columns a step
+            if phase == 0:  # (each of a step's lanes keeps its max and the first column holding it)
+                m, first = tl.full([STEP], -float("inf"), tl.float32), tl.zeros([STEP], tl.int32)
+            elif phase == 1:
+                m = tl.max(tl.load(ws + s, mask=s < S, other=-float("inf")), 0)
+                total = tl.zeros([STEP], tl.float32)
+            else:
+                target = top_p * _chunk_sum(ws, 2, S, SP)
+                lo, hi = _bounds(ws, phase - 2 if phase < PASSES + 2 else PASSES, target, top, SP)
+                tries = (lo + ((hi - lo) * (k + 1)) // 17).to(tl.int32).to(tl.float32, bitcast=True)
+                v0, g = hi.to(tl.int32).to(tl.float32, bitcast=True), tl.zeros([STEP, 16], tl.float32)
+                g0, tied = _chunk_sum(ws, 3, S, SP), _chunk_sum(ws, 4, c, SP).to(tl.int32)  # (earlier chunks)
+                total, ties = tl.zeros([STEP], tl.float32), tl.zeros([STEP], tl.int32)
+            for i in range(0, CHUNK, STEP):
+                cols = c * CHUNK + i + tl.arange(0, STEP)
+                if phase < 2:
+                    y = tl.load(x + cols, mask=cols < V, other=-float("inf")) / tl.where(t == 0, 1.0, t)
+                else:
+                    e = tl.load(row + cols, mask=cols < V, other=0.0)
+                if phase == 0:
+                    first = tl.where(y > m, cols, first)
+                    m = tl.maximum(m, y)
+                elif phase == 1:
+                    e = tl.where(cols < V, tl.exp(y - m), 0.0)
+                    tl.store(row + cols, e, mask=cols < V)
+                    total += e
+                elif phase < PASSES + 2:
+                    g += tl.where(e[:, None] > tries[None, :], e[:, None], 0.0)
+                elif phase == PASSES + 2:
+                    total += tl.where(e > v0, e, 0.0)
+                    ties += ((e == v0) & (cols < V)).to(tl.int32)
+                else:
+                    keep, tied = _nucleus(e, cols < V, v0, g0, target, tied)
+                    total += tl.where(keep, e, 0.0)
+                    if phase == PASSES + 4:
+                        out = tl.where(keep, e / _chunk_sum(ws, 5, S, SP), 0.0)
+                        hot = (cols == _row_argmax(ws, SP)).to(tl.float32)
+                        tl.store(row + cols, tl.where(t == 0, hot, out), mask=cols < V)
+            if phase == 0:
+                tl.store(ws + c, tl.max(m, 0))
+                tl.store(ws + S + c, tl.min(tl.where(m == tl.max(m, 0), first, V), 0).to(tl.float32))
+            elif phase == 1:
+                tl.store(ws + 2 * S + c, tl.sum(total, 0))
+            elif phase < PASSES + 2:
+                bounds = tl.where(k == 0, lo, hi).to(tl.int32).to(tl.float32, bitcast=True)
+                tl.store(ws + (6 + 2 * (phase - 2) + k) * S, bounds, mask=(k < 2) & (c == 0))  # first chunk
+                tl.store(ws + (6 + 2 * PASSES + 16 * (phase - 2) + k) * S + c, tl.sum(g, 0))
+            elif phase == PASSES + 2:
+                tl.store(ws + 3 * S + c, tl.sum(total, 0))
+                tl.store(ws + 4 * S + c, tl.sum(ties, 0).to(tl.float32))
+            elif phase == PASSES + 3:
+                tl.store(ws + 5 * S + c, tl.sum(total, 0))
+        tl.debug_barrier()  # (what a phase stored, read by the program's other threads in the next)
+
+
+def probs_from_logits(logits, temperature, top_p):
+    """Kernel of nano_nsa.probs_from_logits: one launch for every row instead of some twenty kernels (a
+    sampled round runs k + 1 of them; PASSES + 5 launches over a full vocabulary). Its sums run in another
+    order than the reference's, which may move a token at the nucleus' edge where the mass before it is
+    within rounding of top_p."""
+    shape = logits.shape
+    x = logits.reshape(-1, shape[-1]).float().contiguous()
+    t = temperature.expand(shape[:-1]).reshape(-1).float().contiguous()
+    tp = top_p.expand(shape[:-1]).reshape(-1).float().contiguous()
+    out = torch.empty_like(x)
+    if len(x):
+        split_rows(_probs_kernel, x, 6 + 18 * PASSES.value, PASSES.value + 5, t, tp, out)
+    return out.view(shape)
