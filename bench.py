@@ -101,7 +101,6 @@ def decode_batch(llm, bs, ctx, rounds, seed=0):
         reserved = llm.pool.reserve(r, ctx + (rounds + 3) * m.round_lookahead(llm.num_draft))
         assert reserved, "KV pool too small for the benchmark"
         r.draft = torch.randint(6, llm.cfg.vocab_size, (llm.num_draft,), device=llm.device)
-        r.q = torch.nn.functional.one_hot(r.draft, llm.cfg.vocab_size).float()  # (drawn greedily)
         reqs.append(r)
     return reqs
 

@@ -1110,14 +1110,12 @@ def probs_from_logits(logits, temperature, top_p):
     (greedy). temperature, top_p [...] per row. No row sum: torch orders a sum's terms by the number of rows,
     so a row's total is the last of its cumulative sums, and its bits do not depend on its batch."""
     greedy = (temperature == 0)[..., None]  # (kernels.probs_from_logits: one launch, no sort)
-    onehot = F.one_hot(logits.argmax(-1), logits.shape[-1]).to(acc_dtype(logits))
-    if greedy.all():  # (a greedy batch: no softmax, no sort)
-        return onehot
     p = torch.softmax(logits.to(acc_dtype(logits)) / torch.where(greedy, 1.0, temperature[..., None]), -1)
     sp, si = p.sort(dim=-1, descending=True, stable=True)
     before = sp.cumsum(-1) - sp  # the mass of the tokens more likely than each
     sp = sp.masked_fill((before >= top_p[..., None]) & (top_p[..., None] < 1), 0.0)
     p = torch.zeros_like(p).scatter_(-1, si, sp / sp.cumsum(-1)[..., -1:])
+    onehot = F.one_hot(logits.argmax(-1), logits.shape[-1]).to(p.dtype)
     return torch.where(greedy, onehot, p)
 
 
@@ -1132,17 +1130,20 @@ class Sampling:
     seeds: torch.Tensor  # [B] int64
     temperature: torch.Tensor  # [B] fp32, 0 for greedy
     top_p: torch.Tensor  # [B] fp32
+    sampling: bool  # host: whether any request samples (a greedy batch needs no distributions)
 
     @classmethod
     def of(cls, reqs, device):
         seeds = to_device(torch.tensor([r.seed for r in reqs]), device)
         rest = to_device(torch.tensor([[r.temperature, r.top_p] for r in reqs]), device)
-        return cls(seeds, rest[:, 0], rest[:, 1])
+        return cls(seeds, rest[:, 0], rest[:, 1], any(r.temperature > 0 for r in reqs))
 
 
 def draw(ops, logits, sp: Sampling, positions, stream):
-    """One token per row from logits [B, V] -> (tokens [B], the distributions drawn from [B, V]). A greedy
-    row's distribution is one-hot on its argmax: its draw is the argmax, whatever the random numbers."""
+    """One token per row from logits [B, V] -> (tokens [B], the distributions drawn from [B, V]; None for a
+    greedy batch, whose tokens are the argmax)."""
+    if not sp.sampling:
+        return logits.argmax(-1), None
     p = ops.probs_from_logits(logits, sp.temperature, sp.top_p)
     return ops.sample(p, sp.seeds, positions, stream), p
 
@@ -1157,12 +1158,15 @@ def accept(ops, tokens, logits, q, sp: Sampling, start):
     """Speculative acceptance of every request at once, on the device. tokens [B, k+1]: x_L then the drafts
     d_1..d_k (d_j at position L+j, L = start [B]); logits [B, k+1, V]: the main model's at those rows; q [B,
     k, V]: the distributions the drafts were drawn from -> (emitted [B, k+1]: the accepted drafts, then one
-    token of the main model; counts [B]: how many of them). It keeps d_j with probability min(1, p(d_j) /
-    q(d_j)), and at the first rejection draws from max(p - q, 0), after k acceptances from p: the output
-    follows the main model's distribution exactly. A greedy request has one-hot p and q, so the same test
-    keeps the longest prefix of drafts equal to the argmax, then emits the argmax."""
+    token of the main model; counts [B]: how many of them). A greedy batch keeps the longest prefix of drafts
+    equal to the argmax, then the argmax. Sampling keeps d_j with probability min(1, p(d_j) / q(d_j)), and at
+    the first rejection draws from max(p - q, 0), after k acceptances from p: the output follows the main
+    model's distribution exactly. (A greedy row of a sampling batch has one-hot p and q: the same test.)"""
     B, n, _ = logits.shape
     drafts = tokens[:, 1:]
+    if not sp.sampling:
+        target = logits.argmax(-1)  # [B, k+1]: the accepted drafts equal it
+        return target, (drafts == target[:, :-1]).cumprod(1).sum(1) + 1
     p = ops.probs_from_logits(logits, sp.temperature[:, None], sp.top_p[:, None])  # [B, k+1, V]
     zero = torch.zeros_like(p[:, :1])
     q = zero if q is None else torch.cat([q, zero], 1)  # [B, k+1, V]: after k acceptances, p itself
@@ -1190,7 +1194,7 @@ class Request:
     pages: list = field(default_factory=list)
     swapped: list = None  # its KV in host memory while preempted (PagePool.swap_out)
     draft: torch.Tensor = None  # [k] its next verify's drafts, on the device, while not in a batch
-    q: torch.Tensor = None  # [k, V] their distributions
+    q: torch.Tensor = None  # [k, V] their distributions (drafted in a sampling batch)
     return_logits: bool = False  # keep the main-model logits row of every emitted token in `logits`
     on_tokens: object = None  # called as on_tokens(idx, [token]) for every emitted token
     logits: list = field(default_factory=list)
@@ -1393,7 +1397,7 @@ class Batch:
 
     tokens: torch.Tensor  # [B, k+1] x_L (the last token), then the drafts d_1..d_k
     start: torch.Tensor  # [B] L: the position of x_L (its KV and the drafts' are written this round)
-    q: torch.Tensor  # [B, k, vocab] the drafts' distributions (None: k = 0)
+    q: torch.Tensor  # [B, k, vocab] the drafts' distributions (None: a greedy batch, or k = 0)
     sp: Sampling
 
     def tensors(self):
@@ -1432,7 +1436,8 @@ def speculative_round(model, cache, batch: Batch, table):
         start = batch.start + counts  # L': the position of the last emitted token
         drafts, q = draft(model, cache, h, start, batch, table)
         next_tokens = torch.cat([emitted.gather(1, counts[:, None] - 1), drafts], 1)
-        batch.q.copy_(q)
+        if batch.q is not None:
+            batch.q.copy_(q)
     batch.tokens.copy_(next_tokens)
     batch.start.add_(counts * (table[:, 0] > 0))  # a padding row (its slots all 0) stays at position 0
     return torch.cat([emitted, counts[:, None]], 1), logits
@@ -1441,7 +1446,7 @@ def speculative_round(model, cache, batch: Batch, table):
 def draft(model, cache, h, start, batch, table):
     """The batch's k draft tokens per request, on the device: d_1 from the MTP row just run at position start
     - 1 (its hidden state h [B, dim]), then k-1 chained MTP decode steps at positions start, start + 1, ... ->
-    (drafts [B, k], their distributions q [B, k, vocab])."""
+    (drafts [B, k], their distributions q [B, k, vocab], None for a greedy batch)."""
     B, k = len(start), batch.tokens.shape[1] - 1
     rows = torch.arange(B, device=start.device)
     tokens, dists = [], []
@@ -1449,10 +1454,12 @@ def draft(model, cache, h, start, batch, table):
         if step:
             meta = Meta("decode", start + (step - 1), rows, table, list(range(B + 1)), table.shape[1])
             h = model.mtp_forward(tokens[-1], h, meta, cache)
-        token, q = draw(model.ops, model.mtp[0].logits(h), batch.sp, start + (step + 1), DRAFT)
+        positions = start + (step + 1) if batch.sp.sampling else None  # (a greedy draft: an argmax)
+        token, q = draw(model.ops, model.mtp[0].logits(h), batch.sp, positions, DRAFT)
         tokens.append(token)
         dists.append(q)
-    return torch.stack(tokens, 1), torch.stack(dists, 1)
+    q = torch.stack(dists, 1) if batch.sp.sampling else None
+    return torch.stack(tokens, 1), q
 
 
 def read_back(x):
@@ -1476,8 +1483,9 @@ def graph_buckets(max_bs, rows_per_req, tp=1):
 
 class CudaGraphs:
     """speculative_round as CUDA graphs, one per (batch-size bucket, context bound: the indexer's width is a
-    shape), each captured when a batch first needs it. A replay reads the round's inputs from one set of
-    static buffers and leaves the next round's there; padding rows write the dummy slot 0."""
+    shape, greedy or sampling: its distributions are work of its own), each captured when a batch first
+    needs it. A replay reads the round's inputs from one set of static buffers and leaves the next round's
+    there; padding rows write the dummy slot 0."""
 
     def __init__(self, model: Transformer, cache: KVCache, num_draft, max_batch, max_context, page_size):
         self.model, self.cache = model, cache
@@ -1486,7 +1494,7 @@ class CudaGraphs:
         zeros = functools.partial(torch.zeros, dtype=torch.long, device=cache.latent.device)
         context = max_context + round_lookahead(num_draft) + 1  # the furthest position a round writes, +1
         self.max_width = -(-context // page_size) * page_size
-        sp = Sampling(zeros(bs), zeros(bs).float(), zeros(bs).float() + 1)
+        sp = Sampling(zeros(bs), zeros(bs).float(), zeros(bs).float() + 1, False)
         self.table = zeros(bs, self.max_width)
         q = torch.zeros(bs, num_draft, model.cfg.vocab_size, device=self.table.device) if num_draft else None
         self.static = Batch(zeros(bs, num_draft + 1), zeros(bs), q, sp)  # every graph's
@@ -1507,11 +1515,12 @@ class CudaGraphs:
         outputs, overwritten by its next replay; rows past B are padding)."""
         s = self.static
         bs = next(b for b in self.buckets if b >= B)
-        key = (bs, self.width(max_ctx))
-        if batch is not s:  # inputs from the host: copied in, padded (greedy rows, temperature 0)
+        key = (bs, self.width(max_ctx), batch.sp.sampling)
+        if batch is not s:  # inputs from the host: copied in, padded (top_p 1: a distribution to sample)
             for mine, theirs in zip(s.tensors(), batch.tensors(), strict=True):
                 if theirs is not None:
                     mine[:B], mine[B:bs] = theirs, 0
+            s.sp.top_p[B:bs], s.sp.sampling = 1, batch.sp.sampling
         self.table[:B, : table.shape[1]] = table
         if B < bs:
             self.table[B:bs, : key[1]] = 0  # (so every position of a padding row is the dummy slot)
@@ -1522,16 +1531,16 @@ class CudaGraphs:
         return s, out
 
     def capture(self, key):
-        """Capture the round for (bucket, context bound), after a warm-up that builds its kernels,
+        """Capture the round for (bucket, context bound, sampling), after a warm-up that builds its kernels,
         on inputs every row of which writes the dummy slot 0: the static inputs run just copied in are zeroed
         for it, then restored."""
         t0 = time.perf_counter()
-        (bs, width), s = key, self.static
+        (bs, width, sampling), s = key, self.static
         kept = [(t, t.clone()) for t in s.tensors() + [self.table] if t is not None]
         for t, _ in kept:
             t.zero_()
-        q = s.q[:bs] if s.q is not None else None  # (k = 0: no drafts)
-        sp = Sampling(s.sp.seeds[:bs], s.sp.temperature[:bs], s.sp.top_p[:bs])
+        q = s.q[:bs] if sampling and s.q is not None else None  # (k = 0: no drafts)
+        sp = Sampling(s.sp.seeds[:bs], s.sp.temperature[:bs], s.sp.top_p[:bs], sampling)
         batch = Batch(s.tokens[:bs], s.start[:bs], q, sp)
         round_ = functools.partial(speculative_round, self.model, self.cache, batch, self.table[:bs, :width])
         graph, out = self.model.ops.capture(round_, self.pool)  # (kernels.capture: after a warm-up run)
@@ -1540,7 +1549,10 @@ class CudaGraphs:
         self.pool = self.pool or graph.pool()
         self.graphs[key] = (graph, out)
         took = f"{time.perf_counter() - t0:.2f} s"
-        print(f"nano-nsa: captured the round for bs {bs}, contexts <= {width} in {took}", file=sys.stderr)
+        kind = "sampling" if sampling else "greedy"
+        print(
+            f"nano-nsa: captured the {kind} round for bs {bs}, contexts <= {width} in {took}", file=sys.stderr
+        )
 
 
 # ---- LLM: the engine, tying the parts together -------------------------------------------------------------
@@ -1598,7 +1610,7 @@ class LLM:
             self.warm_up()
 
     def warm_up(self):
-        """Build the GPU kernels (Triton compiles them at first use) and the round's graphs of one and
+        """Build the GPU kernels (Triton compiles them at first use) and the greedy round's graphs of one and
         two requests before any generate the caller times."""
         t0 = time.perf_counter()
         for lengths in ((5, 16), (16,)):
@@ -1682,8 +1694,9 @@ class LLM:
             d1, q1 = draw(self.model.ops, self.model.mtp[0].logits(h[last]), sp, start + 1, DRAFT)
             for b, r in enumerate(done):
                 r.draft = d1[b].repeat(self.num_draft)
-                again = F.one_hot(d1[b], q1.shape[-1]).to(q1.dtype).expand(self.num_draft - 1, -1)
-                r.q = torch.cat([q1[b : b + 1], again])
+                if q1 is not None:
+                    again = F.one_hot(d1[b], q1.shape[-1]).to(q1.dtype).expand(self.num_draft - 1, -1)
+                    r.q = torch.cat([q1[b : b + 1], again])
 
     def decode(self, reqs):
         """One speculative round of `reqs`: launched from the inputs the last round left on the device while
@@ -1709,12 +1722,18 @@ class LLM:
     def new_batch(self, reqs):
         """A round's inputs from the host's state: each request's last token, position and drafts (table None
         and context bound 0: decode or CudaGraphs.run sets them at each round)."""
+        k = self.num_draft
         host = to_device(torch.tensor([[r.tokens[-1], r.num_cached] for r in reqs]), self.device)
-        tokens, q = host[:, :1], None
-        if self.num_draft:
+        tokens = host[:, :1]
+        sp = Sampling.of(reqs, self.device)
+        q = None
+        if k:
             tokens = torch.cat([tokens, torch.stack([r.draft for r in reqs])], 1)
-            q = torch.stack([r.q for r in reqs])
-        return Batch(tokens, host[:, 1].clone(), q, Sampling.of(reqs, self.device))
+        if k and sp.sampling:  # a request drafted in a greedy batch drew its drafts from one-hot q
+            V = self.cfg.vocab_size
+            q = torch.stack([r.q if r.q is not None else F.one_hot(r.draft, V) for r in reqs])
+            q = q.to(acc_dtype(tokens))  # (acc_dtype reads only the device)
+        return Batch(tokens, host[:, 1].clone(), q, sp)
 
     def settle(self):
         """Accept the round in flight, if any, and keep each request's next drafts: the round left them in
@@ -1724,9 +1743,10 @@ class LLM:
         reqs = self.launched[0]
         self.apply(*self.launched)
         self.launched = None
+        sampled = self.batch.sp.sampling and self.num_draft
         for b, r in enumerate(reqs):
             r.draft = self.batch.tokens[b, 1:].clone()
-            r.q = self.batch.q[b].clone() if self.num_draft else None
+            r.q = self.batch.q[b].clone() if sampled else None
 
     def apply(self, reqs, read_back, logits):
         """Apply a launched round to its requests (its one read-back): each emits its accepted tokens. A row

@@ -749,8 +749,7 @@ def oracle_drafts(monkeypatch, prompts, reference, wrong_every=7):
         seeds = batch.sp.seeds[:, None]
         pos = (start[:, None] + 1 + torch.arange(k, device=start.device)).clamp(max=width - 1)  # d_1..d_k
         t = truth[seeds.clamp(max=len(seqs) - 1), pos]
-        d = torch.where((pos + seeds) % wrong_every == 0, (t + 1) % 262, t)
-        return d, F.one_hot(d, batch.q.shape[-1]).to(batch.q.dtype)  # (greedy: drawn from one-hot q)
+        return torch.where((pos + seeds) % wrong_every == 0, (t + 1) % 262, t), None
 
     monkeypatch.setattr(m, "draft", draft)
 
@@ -810,7 +809,7 @@ def _sample_spec(p, q, n_seeds):
     qs = q[None].expand(n_seeds, -1, -1).double()
     drafts = m.sample(qs, seeds[:, None], 1 + torch.arange(k), m.DRAFT)  # [n, k]
     tokens = torch.cat([torch.zeros(n_seeds, 1, dtype=torch.long), drafts], 1)
-    sp = m.Sampling(seeds, torch.ones(n_seeds), torch.ones(n_seeds))
+    sp = m.Sampling(seeds, torch.ones(n_seeds), torch.ones(n_seeds), True)
     emitted, counts = m.accept(m.TORCH_OPS, tokens, p.log()[None].expand(n_seeds, -1, -1), qs, sp, start)
     return [e[:c].tolist() for e, c in zip(emitted, counts, strict=True)]
 
@@ -876,8 +875,7 @@ def test_every_decode_round_is_the_one_speculative_round(tiny_dir, monkeypatch):
     speculative_round (verify, accept, draft-extend, draft on the device), once per round."""
     calls = []
     round_ = m.speculative_round
-    sampled = lambda batch: bool((batch.sp.temperature > 0).any())  # noqa: E731
-    monkeypatch.setattr(m, "speculative_round", lambda *a: calls.append(sampled(a[2])) or round_(*a))
+    monkeypatch.setattr(m, "speculative_round", lambda *a: calls.append(a[2].sp.sampling) or round_(*a))
     for mtp in (0, 2):
         llm = make_llm(tiny_dir, mtp)
         for temperature in (0.0, 0.7):
