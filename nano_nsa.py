@@ -9,7 +9,7 @@ requests -> the KV page pool -> the scheduler -> the speculative round (verify, 
 -> CUDA graphs -> `LLM`: generate, its steps (prefill, decode round) -> `main`. What a reader can skip lives
 beside this file: the checkpoint format and its checks (hf_checkpoint.py), the checks of user arguments and
 the defaults they leave (checks.py), the command line and generate's stats (cli.py), and the GPU kernels
-behind the same names as the references here (kernels.py, with the FP8 GEMM family in fp8_gemm.py).
+behind the same names as the references here (kernels.py, fp8_gemm.py, sampling_kernels.py).
 
 Dimension legend used in shape comments:
   T tokens (rows) in the forward pass   B requests in the batch   N context positions of a request
@@ -1119,7 +1119,7 @@ def probs_from_logits(logits, temperature, top_p):
     return torch.where(greedy, onehot, p)
 
 
-# the kernel boundary's engine ops (kernels.py: one launch each on a GPU, where the references take ~20)
+# the kernel boundary's engine ops (sampling_kernels.py on a GPU: a launch or a few; the references ~20)
 TORCH_OPS.uniform, TORCH_OPS.sample, TORCH_OPS.probs_from_logits = uniform, sample, probs_from_logits
 
 

@@ -176,6 +176,74 @@ def _bounds(ws, p, target, top, SP: tl.constexpr):
 
 
 @triton.jit
+def _weights_phase(x, row, ws, c, S, V, t, phase, CHUNK: tl.constexpr, SP: tl.constexpr):
+    """Phase 0: the chunk's max of y = logits / T and its first index [workspace fields 0, 1]. Phase 1: the
+    weights e = exp(y - the row's max), stored in the output row (later phases read these very bits), and
+    their total [2]."""
+    s = tl.arange(0, SP)
+    if phase == 0:  # (each of a step's lanes keeps its max and the first column holding it)
+        m, first = tl.full([1024], -float("inf"), tl.float32), tl.zeros([1024], tl.int32)
+    else:
+        m, total = tl.max(tl.load(ws + s, mask=s < S, other=-float("inf")), 0), tl.zeros([1024], tl.float32)
+    for i in range(0, CHUNK, 1024):
+        cols = c * CHUNK + i + tl.arange(0, 1024)
+        y = tl.load(x + cols, mask=cols < V, other=-float("inf")) / tl.where(t == 0, 1.0, t)
+        if phase == 0:
+            first = tl.where(y > m, cols, first)
+            m = tl.maximum(m, y)
+        else:
+            e = tl.where(cols < V, tl.exp(y - m), 0.0)
+            tl.store(row + cols, e, mask=cols < V)
+            total += e
+    if phase == 0:
+        tl.store(ws + c, tl.max(m, 0))
+        tl.store(ws + S + c, tl.min(tl.where(m == tl.max(m, 0), first, V), 0).to(tl.float32))
+    else:
+        tl.store(ws + 2 * S + c, tl.sum(total, 0))
+
+
+@triton.jit
+def _nucleus_phase(row, ws, c, S, V, t, top_p, phase, CHUNK: tl.constexpr, SP: tl.constexpr):
+    """The phases over the weights: 2 .. PASSES + 1 the threshold's search (_bounds), the weight above each
+    value a pass tries [6 + 2 PASSES + 16 pass + j]; then the weight above the threshold v0 [3] and the count
+    of weights equal to it [4]; the weight the nucleus keeps [5]; the kept weights normalized (a greedy row:
+    its one-hot on the first max)."""
+    STEP: tl.constexpr = 256 if phase < PASSES + 2 else 1024  # columns a step ([256, 16] in a search pass)
+    k = tl.arange(0, 16)
+    target = top_p * _chunk_sum(ws, 2, S, SP)
+    top = tl.where(top_p < 1.0, 0x3F800000, 0).to(tl.int64)  # bits of 1.0 (the largest e), or 0: keep all
+    lo, hi = _bounds(ws, phase - 2 if phase < PASSES + 2 else PASSES, target, top, SP)
+    tries = (lo + ((hi - lo) * (k + 1)) // 17).to(tl.int32).to(tl.float32, bitcast=True)
+    v0, g = hi.to(tl.int32).to(tl.float32, bitcast=True), tl.zeros([STEP, 16], tl.float32)
+    g0, tied = _chunk_sum(ws, 3, S, SP), _chunk_sum(ws, 4, c, SP).to(tl.int32)  # (ties in earlier chunks)
+    total, ties = tl.zeros([STEP], tl.float32), tl.zeros([STEP], tl.int32)
+    for i in range(0, CHUNK, STEP):
+        cols = c * CHUNK + i + tl.arange(0, STEP)
+        e = tl.load(row + cols, mask=cols < V, other=0.0)
+        if phase < PASSES + 2:
+            g += tl.where(e[:, None] > tries[None, :], e[:, None], 0.0)
+        elif phase == PASSES + 2:
+            total += tl.where(e > v0, e, 0.0)
+            ties += ((e == v0) & (cols < V)).to(tl.int32)
+        else:
+            keep, tied = _nucleus(e, cols < V, v0, g0, target, tied)
+            total += tl.where(keep, e, 0.0)
+            if phase == PASSES + 4:
+                out = tl.where(keep, e / _chunk_sum(ws, 5, S, SP), 0.0)
+                hot = (cols == _row_argmax(ws, SP)).to(tl.float32)
+                tl.store(row + cols, tl.where(t == 0, hot, out), mask=cols < V)
+    if phase < PASSES + 2:
+        bounds = tl.where(k == 0, lo, hi).to(tl.int32).to(tl.float32, bitcast=True)
+        tl.store(ws + (6 + 2 * (phase - 2) + k) * S, bounds, mask=(k < 2) & (c == 0))  # by the first chunk
+        tl.store(ws + (6 + 2 * PASSES + 16 * (phase - 2) + k) * S + c, tl.sum(g, 0))
+    elif phase == PASSES + 2:
+        tl.store(ws + 3 * S + c, tl.sum(total, 0))
+        tl.store(ws + 4 * S + c, tl.sum(ties, 0).to(tl.float32))
+    elif phase == PASSES + 3:
+        tl.store(ws + 5 * S + c, tl.sum(total, 0))
+
+
+@triton.jit
 def _probs_kernel(
     x_ptr,
     temp_ptr,
@@ -188,74 +256,18 @@ def _probs_kernel(
     CHUNK: tl.constexpr,
     SP: tl.constexpr,
 ):
-    """Per chunk of a row, in phases [the workspace fields each leaves]: 0 the max of y = logits / T and its
-    first index [0, 1]; 1 the weights e = exp(y - max), stored in the output row (later phases read these
-    very bits), and their total z [2]; 2 .. PASSES + 1 the threshold's search (_bounds): the weight above each
-    value a pass tries [6 + 2 PASSES + 16 pass + j]; then the weight above the threshold v0 [3] and the count
-    of weights equal to it [4]; the weight the nucleus keeps [5]; the kept weights normalized. A greedy row (T
-    = 0) runs only the first phase and the last, which writes its one-hot."""
+    """Per chunk of a row, phases FIRST .. LAST of PASSES + 5: _weights_phase's two, then _nucleus_phase's. A
+    greedy row (T = 0) runs only the first phase and the last, which writes its one-hot."""
     r, c, S = tl.program_id(0), tl.program_id(1), tl.num_programs(1)
     x, row = x_ptr + r.to(tl.int64) * V, out_ptr + r.to(tl.int64) * V
     ws = ws_ptr + r.to(tl.int64) * (6 + 18 * PASSES) * S
     t, top_p = tl.load(temp_ptr + r), tl.load(top_p_ptr + r)
-    top = tl.where(top_p < 1.0, 0x3F800000, 0).to(
-        tl.int64
-    )  # bits of 1.0 (the largest e), or 0: keep every token
-    k, s = tl.arange(0, 16), tl.arange(0, SP)
     for phase in tl.static_range(FIRST, LAST + 1):
         if (t != 0) | (phase == 0) | (phase == PASSES + 4):
-            STEP: tl.constexpr = 1024 if phase < 2 else 256 if phase < PASSES + 2 else 1024  # columns a step
-            if phase == 0:  # (each of a step's lanes keeps its max and the first column holding it)
-                m, first = tl.full([STEP], -float("inf"), tl.float32), tl.zeros([STEP], tl.int32)
-            elif phase == 1:
-                m = tl.max(tl.load(ws + s, mask=s < S, other=-float("inf")), 0)
-                total = tl.zeros([STEP], tl.float32)
+            if phase < 2:
+                _weights_phase(x, row, ws, c, S, V, t, phase, CHUNK, SP)
             else:
-                target = top_p * _chunk_sum(ws, 2, S, SP)
-                lo, hi = _bounds(ws, phase - 2 if phase < PASSES + 2 else PASSES, target, top, SP)
-                tries = (lo + ((hi - lo) * (k + 1)) // 17).to(tl.int32).to(tl.float32, bitcast=True)
-                v0, g = hi.to(tl.int32).to(tl.float32, bitcast=True), tl.zeros([STEP, 16], tl.float32)
-                g0, tied = _chunk_sum(ws, 3, S, SP), _chunk_sum(ws, 4, c, SP).to(tl.int32)  # (earlier chunks)
-                total, ties = tl.zeros([STEP], tl.float32), tl.zeros([STEP], tl.int32)
-            for i in range(0, CHUNK, STEP):
-                cols = c * CHUNK + i + tl.arange(0, STEP)
-                if phase < 2:
-                    y = tl.load(x + cols, mask=cols < V, other=-float("inf")) / tl.where(t == 0, 1.0, t)
-                else:
-                    e = tl.load(row + cols, mask=cols < V, other=0.0)
-                if phase == 0:
-                    first = tl.where(y > m, cols, first)
-                    m = tl.maximum(m, y)
-                elif phase == 1:
-                    e = tl.where(cols < V, tl.exp(y - m), 0.0)
-                    tl.store(row + cols, e, mask=cols < V)
-                    total += e
-                elif phase < PASSES + 2:
-                    g += tl.where(e[:, None] > tries[None, :], e[:, None], 0.0)
-                elif phase == PASSES + 2:
-                    total += tl.where(e > v0, e, 0.0)
-                    ties += ((e == v0) & (cols < V)).to(tl.int32)
-                else:
-                    keep, tied = _nucleus(e, cols < V, v0, g0, target, tied)
-                    total += tl.where(keep, e, 0.0)
-                    if phase == PASSES + 4:
-                        out = tl.where(keep, e / _chunk_sum(ws, 5, S, SP), 0.0)
-                        hot = (cols == _row_argmax(ws, SP)).to(tl.float32)
-                        tl.store(row + cols, tl.where(t == 0, hot, out), mask=cols < V)
-            if phase == 0:
-                tl.store(ws + c, tl.max(m, 0))
-                tl.store(ws + S + c, tl.min(tl.where(m == tl.max(m, 0), first, V), 0).to(tl.float32))
-            elif phase == 1:
-                tl.store(ws + 2 * S + c, tl.sum(total, 0))
-            elif phase < PASSES + 2:
-                bounds = tl.where(k == 0, lo, hi).to(tl.int32).to(tl.float32, bitcast=True)
-                tl.store(ws + (6 + 2 * (phase - 2) + k) * S, bounds, mask=(k < 2) & (c == 0))  # first chunk
-                tl.store(ws + (6 + 2 * PASSES + 16 * (phase - 2) + k) * S + c, tl.sum(g, 0))
-            elif phase == PASSES + 2:
-                tl.store(ws + 3 * S + c, tl.sum(total, 0))
-                tl.store(ws + 4 * S + c, tl.sum(ties, 0).to(tl.float32))
-            elif phase == PASSES + 3:
-                tl.store(ws + 5 * S + c, tl.sum(total, 0))
+                _nucleus_phase(row, ws, c, S, V, t, top_p, phase, CHUNK, SP)
         tl.debug_barrier()  # (what a phase stored, read by the program's other threads in the next)
 
 
