@@ -2,7 +2,7 @@
 numbers, the exponential race that draws a token (sample), and the softmax cut to the top-p nucleus
 (probs_from_logits). Each public function's torch reference is the function of the same name in nano_nsa.py;
 kernels.py re-exports them. Over a full vocabulary a row is split over programs (split_rows): one program a
-row of 129,280 tokens left the GPU idle (0.77 ms a probs_from_logits row on an H200, 74 us split).
+row of 129,280 tokens left the GPU idle (0.73 ms a probs_from_logits row on an H200, 74 us split).
 """
 
 import torch
@@ -61,7 +61,7 @@ def uniform(seeds, positions, stream, n):
 
 
 # ---- Sampling: the race and the nucleus, a row split over programs ----
-# One program per row leaves the GPU idle over a full vocabulary (0.77 ms a row of 129,280 on an H200). So a
+# One program per row leaves the GPU idle over a full vocabulary (0.73 ms a row of 129,280 on an H200). So a
 # row is split into chunks of ROW_CHUNK entries, a program each, and the kernels run in phases: each reads
 # what the phases before left for the whole row in a small fp32 workspace [row, field, chunk] (indices and
 # counts are exact in it), summed in chunk order whatever the batch. A row of one chunk (up to four
@@ -70,15 +70,15 @@ ROW_CHUNK = 4096
 PASSES = tl.constexpr(8)  # of the nucleus threshold's search: 16 values a pass, 2^30 float bits to one in 8
 
 
-def split_rows(kernel, x, fields, phases, *args, **shape):
+def split_rows(kernel, x, fields, phases, *args):
     """kernel(x, *args, workspace, V, FIRST, LAST, CHUNK, SP) over x's rows x their chunks, for phases 0 ..
-    phases - 1: the first to the last of a launch."""
+    phases - 1 (a launch runs FIRST .. LAST), with a workspace of `fields` floats a row and chunk."""
     rows, V = x.shape
     S = 1 if V <= 4 * ROW_CHUNK else triton.cdiv(V, ROW_CHUNK)
     chunk = triton.next_power_of_2(V) if S == 1 else ROW_CHUNK
     ws = torch.empty(rows, fields, S, device=x.device)
     for first, last in [(0, phases - 1)] if S == 1 else [(p, p) for p in range(phases)]:
-        kernel[(rows, S)](x, *args, ws, V, first, last, chunk, triton.next_power_of_2(S), **shape)
+        kernel[(rows, S)](x, *args, ws, V, first, last, chunk, triton.next_power_of_2(S))
 
 
 @triton.jit
@@ -160,7 +160,8 @@ def _bounds(ws, p, target, top, SP: tl.constexpr):
     """The threshold's search over float bits: the bits [lo, hi] left to search pass p (p = PASSES: hi is the
     threshold v0). The weight above a value falls as the value rises; v0 is the smallest value whose weight
     above is below target. A pass tries 16 values between lo and hi and keeps the span between the two
-    around v0; its first chunk stores the bounds it narrowed [6 + 2 p, 7 + 2 p: float bits as fp32]."""
+    around v0; pass p's first chunk stores the bounds it searched [6 + 2 p, 7 + 2 p: float bits as fp32], so
+    that pass p + 1 narrows them once."""
     if p == 0:
         return tl.zeros([], tl.int64), top
     k, s, S = tl.arange(0, 16), tl.arange(0, SP), tl.num_programs(1)
