@@ -66,7 +66,7 @@ def uniform(seeds, positions, stream, n):
 # what the phases before left for the whole row in a small fp32 workspace [row, field, chunk] (indices and
 # counts are exact in it), summed in chunk order whatever the batch. A row of one chunk (up to four
 # ROW_CHUNKs) runs every phase in one program and one launch, a longer one a launch per phase.
-ROW_CHUNK = 4096
+ROW_CHUNK = 4096  # (a multiple of the kernels' steps of 1024 columns)
 PASSES = tl.constexpr(8)  # of the nucleus threshold's search: 16 values a pass, 2^30 float bits to one in 8
 
 

@@ -1701,6 +1701,50 @@ def test_gpu_full_width_logits_do_not_depend_on_the_batch(tmp_path, monkeypatch)
     assert max(verify.accept_lengths) > 1  # rows past the first emitted
 
 
+_INTERPRETED_SAMPLING = """
+import torch, nano_nsa as m, sampling_kernels as k
+k.ROW_CHUNK = 1024  # rows of more than 4096 tokens split into chunks of 1024: the split path on small rows
+gen = torch.Generator().manual_seed(0)
+for V in (7, 1500, 5000):
+    logits = torch.randn(4, 2, V, generator=gen) * 3
+    logits[0, 0, :3] = logits[0, 0, 3]  # tied tokens
+    logits[1, 1, [5, V // 2, V - 1]] = 40.0  # a greedy row's maximum three times: the first one wins
+    if V > 4096:  # 40 tied tokens holding most of the mass, across the chunk boundary at 1024, cut by top-p
+        logits[3, 0, 1000:1040] = 20.0
+    t = torch.tensor([0.6, 0.0, 1.0, 2.0])[:, None]
+    top_p = torch.tensor([0.95, 0.9, 1.0, 0.5])[:, None]
+    want, got = m.probs_from_logits(logits, t, top_p), k.probs_from_logits(logits, t, top_p)
+    assert ((got > 0) == (want > 0)).all(), V
+    assert (got - want).abs().max() < 1e-6, V
+    seeds = torch.randint(0, 2**62, (4, 1), generator=gen)
+    positions = torch.randint(0, 10**6, (2,), generator=gen)
+    p = want.float()
+    assert torch.equal(k.sample(p, seeds, positions, m.DRAFT), m.sample(p, seeds, positions, m.DRAFT)), V
+print("ok")
+"""
+
+
+def test_sampling_kernels_run_in_the_triton_interpreter():
+    """The sampling kernels' logic without a GPU: Triton's interpreter runs them on the CPU against the
+    references, a row in one program and rows split over programs (chunks made small), with ties at the
+    nucleus' edge across a chunk boundary and a greedy row whose maximum repeats. (Skipped where Triton is
+    not installed, as on the CPU CI; the GPU tests below run the compiled kernels.)"""
+    pytest.importorskip("triton")
+    import subprocess
+
+    env = dict(os.environ, TRITON_INTERPRET="1", OMP_NUM_THREADS="1")
+    here = os.path.dirname(os.path.abspath(__file__))
+    r = subprocess.run(
+        [sys.executable, "-c", _INTERPRETED_SAMPLING],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=here,
+        timeout=600,
+    )
+    assert r.returncode == 0 and r.stdout.strip() == "ok", r.stderr[-3000:]
+
+
 @gpu
 @pytest.mark.parametrize("V", [7, 2048, 129280])
 def test_gpu_sample_kernel_matches_reference(V):
