@@ -1109,7 +1109,7 @@ def probs_from_logits(logits, temperature, top_p):
     (the most likely tokens until they hold top_p) and renormalized; one-hot on the argmax where T = 0
     (greedy). temperature, top_p [...] per row. No row sum: torch orders a sum's terms by the number of rows,
     so a row's total is the last of its cumulative sums, and its bits do not depend on its batch."""
-    greedy = (temperature == 0)[..., None]  # (kernels.probs_from_logits: one launch, no sort)
+    greedy = (temperature == 0)[..., None]  # (sampling_kernels.probs_from_logits: no sort)
     p = torch.softmax(logits.to(acc_dtype(logits)) / torch.where(greedy, 1.0, temperature[..., None]), -1)
     sp, si = p.sort(dim=-1, descending=True, stable=True)
     before = sp.cumsum(-1) - sp  # the mass of the tokens more likely than each
