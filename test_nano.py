@@ -1728,7 +1728,7 @@ def test_sampling_kernels_run_in_the_triton_interpreter():
     """The sampling kernels' logic without a GPU: Triton's interpreter runs them on the CPU against the
     references, a row in one program and rows split over programs (chunks made small), with ties at the
     nucleus' edge across a chunk boundary and a greedy row whose maximum repeats. (Skipped where Triton is
-    not installed, as on the CPU CI; the GPU tests below run the compiled kernels.)"""
+    not installed: .ci/run installs it for this test; the GPU tests below run the compiled kernels.)"""
     pytest.importorskip("triton")
     import subprocess
 
