@@ -39,7 +39,7 @@ def _uniform_kernel(seed_ptr, pos_ptr, out_ptr, n, stream, BLOCK: tl.constexpr):
     r = tl.program_id(0)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     u = _uniform_block(_row_key(seed_ptr, pos_ptr, r, stream), cols)
-    tl.store(out_ptr + r * n + cols, u, mask=cols < n)  # (int32: below 16,000 rows of 129,280 numbers)
+    tl.store(out_ptr + r.to(tl.int64) * n + cols, u, mask=cols < n)
 
 
 def _seeded_rows(seeds, positions):
@@ -66,13 +66,13 @@ def uniform(seeds, positions, stream, n):
 # what the phases before left for the whole row in a small fp32 workspace [row, field, chunk] (indices and
 # counts are exact in it), reduced over the chunks in an order fixed by the row's length, whatever the batch.
 # A row of one chunk (up to four ROW_CHUNKs) runs every phase in one program and one launch, a longer one a
-# launch per phase. probs_from_logits' fields (6 + 18 PASSES): 0 a chunk's max, 1 its first index, 2 its
+# launch per phase. probs_from_logits' fields (PROBS_FIELDS): 0 a chunk's max, 1 its first index, 2 its
 # weights' total, 3 its weight above the threshold, 4 its weights equal to it, 5 its kept weight; 6 + 2 p, 7 +
 # 2 p the bounds search pass p searched (float bits); 6 + 2 PASSES + 16 p + j the weight above pass p's j-th
-# value. (Some phases load fields not written yet, and a greedy row's last phase runs the nucleus pass over
-# unwritten ones: values never used, but work a later pass may drop.)
+# value.
 ROW_CHUNK = 4096  # (a multiple of the kernels' steps of 1024 columns)
 PASSES = tl.constexpr(8)  # of the nucleus threshold's search: 16 values a pass, 2^30 float bits to one in 8
+PROBS_FIELDS = tl.constexpr(6 + 18 * PASSES.value)
 
 
 def split_rows(kernel, x, fields, phases, *args):
@@ -209,12 +209,11 @@ def _weights_phase(x, row, ws, c, S, V, t, phase, CHUNK: tl.constexpr, SP: tl.co
 
 
 @triton.jit
-def _nucleus_phase(row, ws, c, S, V, t, top_p, phase, CHUNK: tl.constexpr, SP: tl.constexpr):
+def _nucleus_phase(row, ws, c, S, V, top_p, phase, CHUNK: tl.constexpr, SP: tl.constexpr):
     """The phases over the weights [the workspace fields each writes]: 2 .. PASSES + 1 the threshold's search
     (_bounds; the bounds searched [6 + 2 p, 7 + 2 p] and the weight above each value tried [6 + 2 PASSES + 16
     p + j]); PASSES + 2 the weight above the threshold v0 [3] and the count of weights equal to it [4]; PASSES
-    + 3 the weight the nucleus keeps [5]; PASSES + 4 the kept weights normalized into the output row (a greedy
-    row: its one-hot on the first max)."""
+    + 3 the weight the nucleus keeps [5]; PASSES + 4 the kept weights normalized, into the output row."""
     STEP: tl.constexpr = 256 if phase < PASSES + 2 else 1024  # columns a step ([256, 16] in a search pass)
     k = tl.arange(0, 16)
     target = top_p * _chunk_sum(ws, 2, S, SP)
@@ -222,7 +221,8 @@ def _nucleus_phase(row, ws, c, S, V, t, top_p, phase, CHUNK: tl.constexpr, SP: t
     lo, hi = _bounds(ws, phase - 2 if phase < PASSES + 2 else PASSES, target, top, SP)
     tries = (lo + ((hi - lo) * (k + 1)) // 17).to(tl.int32).to(tl.float32, bitcast=True)
     v0, g = hi.to(tl.int32).to(tl.float32, bitcast=True), tl.zeros([STEP, 16], tl.float32)
-    g0, tied = _chunk_sum(ws, 3, S, SP), _chunk_sum(ws, 4, c, SP).to(tl.int32)  # (ties in earlier chunks)
+    if phase > PASSES + 2:
+        g0, tied = _chunk_sum(ws, 3, S, SP), _chunk_sum(ws, 4, c, SP).to(tl.int32)  # (ties in earlier chunks)
     total, ties = tl.zeros([STEP], tl.float32), tl.zeros([STEP], tl.int32)
     for i in range(0, CHUNK, STEP):
         cols = c * CHUNK + i + tl.arange(0, STEP)
@@ -236,9 +236,7 @@ def _nucleus_phase(row, ws, c, S, V, t, top_p, phase, CHUNK: tl.constexpr, SP: t
             keep, tied = _nucleus(e, cols < V, v0, g0, target, tied)
             total += tl.where(keep, e, 0.0)
             if phase == PASSES + 4:
-                out = tl.where(keep, e / _chunk_sum(ws, 5, S, SP), 0.0)
-                hot = (cols == _row_argmax(ws, SP)).to(tl.float32)
-                tl.store(row + cols, tl.where(t == 0, hot, out), mask=cols < V)
+                tl.store(row + cols, tl.where(keep, e / _chunk_sum(ws, 5, S, SP), 0.0), mask=cols < V)
     if phase < PASSES + 2:
         bounds = tl.where(k == 0, lo, hi).to(tl.int32).to(tl.float32, bitcast=True)
         tl.store(ws + (6 + 2 * (phase - 2) + k) * S, bounds, mask=(k < 2) & (c == 0))  # by the first chunk
@@ -264,18 +262,26 @@ def _probs_kernel(
     SP: tl.constexpr,
 ):
     """Per chunk of a row, phases FIRST .. LAST of PASSES + 5: _weights_phase's two, then _nucleus_phase's. A
-    greedy row (T = 0) runs only the first phase and the last, which writes its one-hot."""
+    greedy row (T = 0) runs only the first phase and, in the last, writes its one-hot on the row's first
+    max."""
     r, c, S = tl.program_id(0), tl.program_id(1), tl.num_programs(1)
     x, row = x_ptr + r.to(tl.int64) * V, out_ptr + r.to(tl.int64) * V
-    ws = ws_ptr + r.to(tl.int64) * (6 + 18 * PASSES) * S
+    ws = ws_ptr + r.to(tl.int64) * PROBS_FIELDS * S
     t, top_p = tl.load(temp_ptr + r), tl.load(top_p_ptr + r)
     for phase in tl.static_range(FIRST, LAST + 1):
-        if (t != 0) | (phase == 0) | (phase == PASSES + 4):
-            if phase < 2:
-                _weights_phase(x, row, ws, c, S, V, t, phase, CHUNK, SP)
-            else:
-                _nucleus_phase(row, ws, c, S, V, t, top_p, phase, CHUNK, SP)
-        tl.debug_barrier()  # (what a phase stored, read by the program's other threads in the next)
+        if phase == 0:
+            _weights_phase(x, row, ws, c, S, V, t, phase, CHUNK, SP)
+        elif t == 0:
+            if phase == PASSES + 4:
+                hot = _row_argmax(ws, SP)
+                for i in range(0, CHUNK, 1024):
+                    cols = c * CHUNK + i + tl.arange(0, 1024)
+                    tl.store(row + cols, (cols == hot).to(tl.float32), mask=cols < V)
+        elif phase == 1:
+            _weights_phase(x, row, ws, c, S, V, t, phase, CHUNK, SP)
+        else:
+            _nucleus_phase(row, ws, c, S, V, top_p, phase, CHUNK, SP)
+        tl.debug_barrier()  # (between the phases of one program: what one stored, the next reads)
 
 
 def probs_from_logits(logits, temperature, top_p):
@@ -288,5 +294,5 @@ def probs_from_logits(logits, temperature, top_p):
     tp = top_p.expand(shape[:-1]).reshape(-1).float().contiguous()
     out = torch.empty_like(x)
     if len(x):
-        split_rows(_probs_kernel, x, 6 + 18 * PASSES.value, PASSES.value + 5, t, tp, out)
+        split_rows(_probs_kernel, x, PROBS_FIELDS.value, PASSES.value + 5, t, tp, out)
     return out.view(shape)
