@@ -15,6 +15,8 @@ one on a CUDA device alone.
 """
 
 import gc
+import sys
+import time
 from types import SimpleNamespace
 
 import torch
@@ -814,10 +816,15 @@ def moe(x, weights, idx, experts):
 
 
 # ---- The engine's GPU mechanics: CUDA graph capture and the read-back of a round ----
-def capture(fn, pool):
+def capture(fn, pool, inputs, what):
     """fn() captured as a CUDA graph after one eager run (which builds and autotunes its kernels) -> (the
     graph, fn's outputs, which each replay overwrites). pool: the memory pool the graph shares (None for the
-    first: graph.pool() is then the one to share)."""
+    first: graph.pool() is then the one to share). inputs: the tensors fn reads, zeroed for the warm-up run
+    and the capture (their values are the replays'), then restored. what: a line to stderr names the graph."""
+    t0 = time.perf_counter()
+    kept = [(t, t.clone()) for t in inputs]
+    for t, _ in kept:
+        t.zero_()
     fn()
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
@@ -829,6 +836,9 @@ def capture(fn, pool):
     finally:
         if collecting:  # (as the caller had it)
             gc.enable()
+    for t, saved in kept:
+        t.copy_(saved)
+    print(f"nano-nsa: captured {what} in {time.perf_counter() - t0:.2f} s", file=sys.stderr)
     return graph, out
 
 

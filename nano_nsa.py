@@ -39,6 +39,7 @@ import checks
 import cli
 import hf_checkpoint
 from checks import require
+from parallel import all_gather, all_reduce, init_distributed, rank_slice, tp_rank, tp_size
 
 BLOCK = 128  # FP8 block size: 128x128 weight blocks, 1x128 activation groups
 FP8 = torch.float8_e4m3fn
@@ -947,51 +948,8 @@ def select_ops(kernels, device):
 # columns), routed experts (by index range), vocabulary. Replicated: the rest, the indexer and latent KV cache
 # included (every rank selects the same positions). One all-reduce per block half (Block), one all-gather of
 # the logits; sampling is identical on every rank.
-def init_distributed(device: torch.device) -> torch.device:
-    """Under torchrun (WORLD_SIZE > 1): join the ranks once (NCCL on CUDA, gloo on CPU); take GPU
-    LOCAL_RANK."""
-    if int(os.environ.get("WORLD_SIZE", "1")) == 1:
-        return device
-    if device.type == "cuda":
-        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
-        torch.cuda.set_device(device)
-    if not dist.is_initialized():
-        dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
-    return device
-
-
-def tp_size():
-    """The number of ranks the model is split over (1 without torchrun)."""
-    return dist.get_world_size() if dist.is_initialized() else 1
-
-
-def tp_rank():
-    return dist.get_rank() if dist.is_initialized() else 0
-
-
-def all_reduce(x, op=dist.ReduceOp.SUM):
-    """x summed (or op) over ranks, in place; nothing at one rank."""
-    if tp_size() > 1:
-        dist.all_reduce(x, op)
-    return x
-
-
-def all_gather(x):
-    """x [..., n] of every rank concatenated in rank order -> [..., ranks * n] (the vocabulary slices of
-    logits)."""
-    if tp_size() == 1:
-        return x
-    parts = [torch.empty_like(x) for _ in range(tp_size())]
-    dist.all_gather(parts, x.contiguous())
-    return torch.cat(parts, -1)
-
-
-def rank_slice(full, part):
-    """The index of this rank's part of a checkpoint tensor of shape `full`, for a parameter of shape
-    `part`: along the dimension the layer split (where part is smaller), the rank-th block of that size;
-    the rest whole."""
-    r = tp_rank()
-    return tuple(slice(None) if f == p else slice(r * p, r * p + p) for f, p in zip(full, part, strict=True))
+# The torch.distributed calls behind tp_size, tp_rank, all_reduce, all_gather and rank_slice (the index of
+# this rank's share of a checkpoint tensor) live in parallel.py.
 
 
 # ---- Loader: reads any DeepSeek-V3.2 checkpoint directory shard by shard, validating every tensor ----------
@@ -1139,15 +1097,6 @@ class Sampling:
         return cls(seeds, rest[:, 0], rest[:, 1], any(r.temperature > 0 for r in reqs))
 
 
-def draw(ops, logits, sp: Sampling, positions, stream):
-    """One token per row from logits [B, V] -> (tokens [B], the distributions drawn from [B, V]; None for a
-    greedy batch, whose tokens are the argmax)."""
-    if not sp.sampling:
-        return logits.argmax(-1), None
-    p = ops.probs_from_logits(logits, sp.temperature, sp.top_p)
-    return ops.sample(p, sp.seeds, positions, stream), p
-
-
 def residual_probs(p, q):
     """Where a draft was rejected, the main model's token is drawn from max(p - q, 0) (p itself if p == q)."""
     r = (p - q).clamp(min=0)
@@ -1193,7 +1142,8 @@ class Request:
     num_cached: int = 0  # positions whose main-model KV is in the pool; decode phase: len(tokens) - 1
     pages: list = field(default_factory=list)
     swapped: list = None  # its KV in host memory while preempted (PagePool.swap_out)
-    draft: torch.Tensor = None  # [k] its next verify's drafts, on the device, while not in a batch
+    draft: torch.Tensor = None  # [k] its next verify's drafts, on the device, while not in a batch (None:
+    # before its first round)
     q: torch.Tensor = None  # [k, V] their distributions (drafted in a sampling batch)
     return_logits: bool = False  # keep the main-model logits row of every emitted token in `logits`
     on_tokens: object = None  # called as on_tokens(idx, [token]) for every emitted token
@@ -1329,7 +1279,7 @@ class Scheduler:
         """-> ("prefill", [(request, first position, length)]) or ("decode", [requests with pages for a
         round])."""
         self.admit()
-        prefilling = [r for r in self.running if r.num_cached < r.prompt_len]
+        prefilling = [r for r in self.running if r.num_cached < r.prompt_len - 1]  # (the last: LLM.prefill)
         if prefilling:
             return "prefill", self.prefill_chunks(prefilling)
         return "decode", self.reserve_round()
@@ -1354,7 +1304,7 @@ class Scheduler:
         budget = self.max_prefill_tokens
         step_dense = None  # whether this step's chunks attend densely: its first chunk decides
         for r in reqs:
-            n = min(r.prompt_len - r.num_cached, self.max_prefill_tokens)
+            n = min(r.prompt_len - 1 - r.num_cached, self.max_prefill_tokens)
             dense = r.num_cached + n <= self.index_topk
             if step_dense is None:
                 step_dense = dense
@@ -1446,20 +1396,22 @@ def speculative_round(model, cache, batch: Batch, table):
 def draft(model, cache, h, start, batch, table):
     """The batch's k draft tokens per request, on the device: d_1 from the MTP row just run at position start
     - 1 (its hidden state h [B, dim]), then k-1 chained MTP decode steps at positions start, start + 1, ... ->
-    (drafts [B, k], their distributions q [B, k, vocab], None for a greedy batch)."""
-    B, k = len(start), batch.tokens.shape[1] - 1
+    (drafts [B, k], the distributions q [B, k, vocab] they were drawn from; None for a greedy batch, whose
+    drafts are the argmax)."""
+    B, k, sp = len(start), batch.tokens.shape[1] - 1, batch.sp
     rows = torch.arange(B, device=start.device)
     tokens, dists = [], []
     for step in range(k):
         if step:
             meta = Meta("decode", start + (step - 1), rows, table, list(range(B + 1)), table.shape[1])
             h = model.mtp_forward(tokens[-1], h, meta, cache)
-        positions = start + (step + 1) if batch.sp.sampling else None  # (a greedy draft: an argmax)
-        token, q = draw(model.ops, model.mtp[0].logits(h), batch.sp, positions, DRAFT)
-        tokens.append(token)
-        dists.append(q)
-    q = torch.stack(dists, 1) if batch.sp.sampling else None
-    return torch.stack(tokens, 1), q
+        logits = model.mtp[0].logits(h)  # [B, V]
+        if sp.sampling:  # (d_{step+1} is the token at position start + step + 1)
+            dists.append(model.ops.probs_from_logits(logits, sp.temperature, sp.top_p))
+            tokens.append(model.ops.sample(dists[-1], sp.seeds, start + (step + 1), DRAFT))
+        else:
+            tokens.append(logits.argmax(-1))
+    return torch.stack(tokens, 1), torch.stack(dists, 1) if sp.sampling else None
 
 
 def read_back(x):
@@ -1531,28 +1483,18 @@ class CudaGraphs:
         return s, out
 
     def capture(self, key):
-        """Capture the round for (bucket, context bound, sampling), after a warm-up that builds its kernels,
-        on inputs every row of which writes the dummy slot 0: the static inputs run just copied in are zeroed
-        for it, then restored."""
-        t0 = time.perf_counter()
+        """Capture the round for (bucket, context bound, sampling) on the static inputs, which the capture
+        zeroes for its warm-up run (every row then writes the dummy slot 0) and restores."""
         (bs, width, sampling), s = key, self.static
-        kept = [(t, t.clone()) for t in s.tensors() + [self.table] if t is not None]
-        for t, _ in kept:
-            t.zero_()
         q = s.q[:bs] if sampling and s.q is not None else None  # (k = 0: no drafts)
         sp = Sampling(s.sp.seeds[:bs], s.sp.temperature[:bs], s.sp.top_p[:bs], sampling)
         batch = Batch(s.tokens[:bs], s.start[:bs], q, sp)
         round_ = functools.partial(speculative_round, self.model, self.cache, batch, self.table[:bs, :width])
-        graph, out = self.model.ops.capture(round_, self.pool)  # (kernels.capture: after a warm-up run)
-        for t, saved in kept:
-            t.copy_(saved)
+        inputs = [t for t in s.tensors() + [self.table] if t is not None]
+        what = f"the {'sampling' if sampling else 'greedy'} round for bs {bs}, contexts <= {width}"
+        graph, out = self.model.ops.capture(round_, self.pool, inputs, what)
         self.pool = self.pool or graph.pool()
         self.graphs[key] = (graph, out)
-        took = f"{time.perf_counter() - t0:.2f} s"
-        kind = "sampling" if sampling else "greedy"
-        print(
-            f"nano-nsa: captured the {kind} round for bs {bs}, contexts <= {width} in {took}", file=sys.stderr
-        )
 
 
 # ---- LLM: the engine, tying the parts together -------------------------------------------------------------
@@ -1665,38 +1607,21 @@ class LLM:
         return mode
 
     def prefill(self, chunks):
-        """Prompt chunks [(request, first position, length)] through the main model, then the MTP layer over
-        the same rows (its KV): position p pairs the main hidden h_p with the next token x_{p+1}. A request
-        whose prompt is done draws its first token, then d_1 from the MTP layer's last row; its first round's
-        other drafts are placeholders that repeat d_1 (drawn from a one-hot q: any q keeps acceptance exact),
-        as no chained MTP step runs at prefill: they start with that round's draft phase. A request that
-        finished at its first token feeds 0 (no token follows its prompt; that KV is never read)."""
+        """Prompt chunks [(request, first position, length)] into the KV cache: the main model over their
+        rows, then the MTP layer over the same rows (its own KV), position p pairing the main hidden h_p with
+        the prompt's next token x_{p+1}. A prompt's last token is not prefilled: it is x_L of the request's
+        first decode round, so every token a request emits is drawn by a round. That first round's drafts are
+        placeholders (token 0, from a one-hot q: acceptance stays exact), so it emits one token, and drafts
+        the next round's."""
         reqs, starts, lens = zip(*chunks, strict=True)
         meta = Meta.build("prefill", starts, lens, self.pool.table(reqs))
-        tokens = torch.tensor([t for r, s, n in chunks for t in r.tokens[s : s + n]], device=self.device)
-        h = self.model(tokens, meta, self.cache)
+        pairs = [r.tokens[p : p + 2] for r, s, n in chunks for p in range(s, s + n)]  # (x_p, x_{p+1})
+        tokens = torch.tensor(pairs, device=self.device)
+        h = self.model(tokens[:, 0], meta, self.cache)
+        if self.num_draft:
+            self.model.mtp_forward(tokens[:, 1], h, meta, self.cache)
         for r, _, n in chunks:
             r.num_cached += n
-        done = [r for r in reqs if r.num_cached == r.prompt_len]
-        last = [end - 1 for r, end in zip(reqs, meta.cu_seqlens[1:], strict=True) if r in done]  # done's rows
-        if done:  # the prompt is done: its first token, at position num_cached
-            logits = self.model.logits(h[last])
-            start = to_device(torch.tensor([r.num_cached for r in done]), self.device)
-            sp = Sampling.of(done, self.device)
-            first, _ = draw(self.model.ops, logits, sp, start, TARGET)
-            for r, t, row in zip(done, first.tolist(), logits, strict=True):
-                r.emit([t], row[None], self.cfg.eos_token_id)
-        if not self.num_draft:
-            return
-        next_tokens = [r.tokens[s + i + 1] if r.finish is None else 0 for r, s, n in chunks for i in range(n)]
-        h = self.model.mtp_forward(torch.tensor(next_tokens, device=self.device), h, meta, self.cache)
-        if done:  # (a request that finished drafts too, unused: it retires after this step)
-            d1, q1 = draw(self.model.ops, self.model.mtp[0].logits(h[last]), sp, start + 1, DRAFT)
-            for b, r in enumerate(done):
-                r.draft = d1[b].repeat(self.num_draft)
-                if q1 is not None:
-                    again = F.one_hot(d1[b], q1.shape[-1]).to(q1.dtype).expand(self.num_draft - 1, -1)
-                    r.q = torch.cat([q1[b : b + 1], again])
 
     def decode(self, reqs):
         """One speculative round of `reqs`: launched from the inputs the last round left on the device while
@@ -1728,6 +1653,8 @@ class LLM:
         sp = Sampling.of(reqs, self.device)
         q = None
         if k:
+            for r in (r for r in reqs if r.draft is None):  # its first round: placeholders (LLM.prefill)
+                r.draft = torch.zeros(k, dtype=torch.long, device=self.device)
             tokens = torch.cat([tokens, torch.stack([r.draft for r in reqs])], 1)
         if k and sp.sampling:  # a request drafted in a greedy batch drew its drafts from one-hot q
             V = self.cfg.vocab_size

@@ -524,15 +524,15 @@ def test_decode_token_by_token_equals_prefill(model):
 
 
 def _chunk_plan(targets, max_prefill_tokens=100, index_topk=150):
-    """Run the scheduler's prefill-chunk choice to the end over prompts of the given lengths: the chunks
-    (request, first position, length) of every step."""
+    """Run the scheduler's prefill-chunk choice to the end over prompts whose prefilled part (all but the
+    last token) has the given lengths: the chunks (request, first position, length) of every step."""
     from types import SimpleNamespace
 
     sched = m.Scheduler(None, 8, max_prefill_tokens, 0, index_topk)
-    reqs = [SimpleNamespace(idx=i, prompt_len=n, num_cached=0) for i, n in enumerate(targets)]
+    reqs = [SimpleNamespace(idx=i, prompt_len=n + 1, num_cached=0) for i, n in enumerate(targets)]
     steps = []
-    while any(r.num_cached < r.prompt_len for r in reqs):
-        chunks = sched.prefill_chunks([r for r in reqs if r.num_cached < r.prompt_len])
+    while any(r.num_cached < r.prompt_len - 1 for r in reqs):
+        chunks = sched.prefill_chunks([r for r in reqs if r.num_cached < r.prompt_len - 1])
         steps.append([(r.idx, start, n) for r, start, n in chunks])
         for r, _, n in chunks:
             r.num_cached += n
@@ -2210,8 +2210,9 @@ def _chi2_crit(df, z=3.09):
 
 @pytest.mark.parametrize("broken", [None, "wrong_row"])
 def test_speculative_sampling_follows_main_model_end_to_end(tiny_dir, monkeypatch, broken):
-    """The engine with the (random) MTP layer drafting: each request's 2nd token is settled by one verify
-    round (accepted draft, or a residual draw). Pooled over 1500 seeds, its counts match the main model's own
+    """The engine with the (random) MTP layer drafting: each request's 2nd token is settled by its second
+    verify round, the first whose draft the MTP layer drew (accepted draft, or a residual draw; the first
+    round verifies a placeholder, LLM.prefill). Pooled over 1500 seeds, its counts match the main model's own
     distributions (the returned logits rows) by a chi-square test; judging a draft by the wrong verify row is
     caught. (The acceptance rule itself is checked on exact distributions in
     test_rejection_sampling_is_exact.)"""
@@ -2225,7 +2226,7 @@ def test_speculative_sampling_follows_main_model_end_to_end(tiny_dir, monkeypatc
     out = llm.generate(
         [[0, 40, 50, 60]] * 1500, max_new_tokens=2, temperature=T, top_p=top_p, seed=3, return_logits=True
     )
-    assert all(len(r.token_ids) == 2 and r.accept_lengths in ([1], [2]) for r in out)
+    assert all(len(r.token_ids) == 2 for r in out)
     params = torch.tensor([T]), torch.tensor([top_p])
     expected = sum(m.probs_from_logits(r.logits[1:2], *params)[0].double() for r in out)
     observed = torch.bincount(torch.tensor([r.token_ids[1] for r in out]), minlength=len(expected)).double()
@@ -2233,7 +2234,7 @@ def test_speculative_sampling_follows_main_model_end_to_end(tiny_dir, monkeypatc
     e = torch.cat([expected[big], expected[~big].sum()[None]])
     o = torch.cat([observed[big], observed[~big].sum()[None]])
     stat, df = float(((o - e) ** 2 / e).sum()), len(e) - 1
-    rejected = sum(r.accept_lengths == [1] for r in out)
+    rejected = sum(r.accept_lengths[:2] == [1, 1] for r in out)  # the 2nd token a residual draw
     assert rejected > 300, "the draft was rarely rejected: the residual rule is not exercised"
     if broken is None:
         assert stat < _chi2_crit(df), f"chi2 {stat:.1f} for df {df}"
