@@ -161,6 +161,12 @@ def _nucleus(e, mask, v0, g0, target, tied_before):
 
 
 @triton.jit
+def _tries(lo, hi):
+    """The 16 values (float bits, int64) a search pass tries between the bounds lo and hi, evenly apart."""
+    return lo + ((hi - lo) * (tl.arange(0, 16) + 1)) // 17
+
+
+@triton.jit
 def _bounds(ws, p, target, top, SP: tl.constexpr):
     """The threshold's search over float bits: the bits [lo, hi] left to search pass p (p = PASSES: hi is the
     threshold v0). The weight above a value falls as the value rises; v0 is the smallest value whose weight
@@ -172,7 +178,7 @@ def _bounds(ws, p, target, top, SP: tl.constexpr):
     k, s, S = tl.arange(0, 16), tl.arange(0, SP), tl.num_programs(1)
     lo = tl.load(ws + (4 + 2 * p) * S).to(tl.int32, bitcast=True).to(tl.int64)  # (pass p - 1's bounds)
     hi = tl.load(ws + (5 + 2 * p) * S).to(tl.int32, bitcast=True).to(tl.int64)
-    c = lo + ((hi - lo) * (k + 1)) // 17  # [16] the values pass p - 1 tried, as float bits
+    c = _tries(lo, hi)  # [16] the values pass p - 1 tried
     g = tl.load(
         ws + (6 + 2 * PASSES + 16 * (p - 1) + k[:, None]) * S + s[None, :], mask=s[None, :] < S, other=0.0
     )
@@ -219,7 +225,7 @@ def _nucleus_phase(row, ws, c, S, V, top_p, phase, CHUNK: tl.constexpr, SP: tl.c
     target = top_p * _chunk_sum(ws, 2, S, SP)
     top = tl.where(top_p < 1.0, 0x3F800000, 0).to(tl.int64)  # bits of 1.0 (the largest e), or 0: keep all
     lo, hi = _bounds(ws, phase - 2 if phase < PASSES + 2 else PASSES, target, top, SP)
-    tries = (lo + ((hi - lo) * (k + 1)) // 17).to(tl.int32).to(tl.float32, bitcast=True)
+    tries = _tries(lo, hi).to(tl.int32).to(tl.float32, bitcast=True)
     v0, g = hi.to(tl.int32).to(tl.float32, bitcast=True), tl.zeros([STEP, 16], tl.float32)
     if phase > PASSES + 2:
         g0, tied = _chunk_sum(ws, 3, S, SP), _chunk_sum(ws, 4, c, SP).to(tl.int32)  # (ties in earlier chunks)
