@@ -217,7 +217,7 @@ def prompt_seeds(seed, n, device):
     a fresh one, the same on every rank."""
     if seed is None:
         fresh = torch.tensor([int.from_bytes(os.urandom(6), "little")], device=device)
-        if dist.is_initialized() and dist.get_world_size() > 1:  # (as nano_nsa.all_reduce)
+        if dist.is_initialized() and dist.get_world_size() > 1:  # (as parallel.all_reduce)
             dist.all_reduce(fresh, dist.ReduceOp.MAX)
         seed = int(fresh)
     seeds = seed if isinstance(seed, (list, tuple)) else [seed + i for i in range(n)]

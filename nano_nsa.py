@@ -208,7 +208,6 @@ class Linear(nn.Module):
     def __init__(self, in_features, out_features, fp8=True, dtype=BF16, n=None, split=None):
         super().__init__()
         self.fp8 = fp8
-        self.split = split
         self.partial = split == "row"  # output unrounded: rounded after the all-reduce
         if split == "col":
             out_features //= tp_size()
@@ -225,12 +224,12 @@ class Linear(nn.Module):
             return self.ops.dense_linear(x, weight)
         return self.ops.fp8_linear(x, weight, scale, self.partial)
 
-    def operands(self):
+    def operands(self, e=None):
         """(weight, scale) as the ops read them: the weight as loaded and its block scales (None for a plain
-        weight), or the copy the references dequantized or widened at load and None."""
-        if self.dequantized is not None:
-            return self.dequantized, None
-        return self.weight, self.scale
+        weight), or the copy the references dequantized or widened at load and None. e: expert e's of a
+        stack."""
+        w, scale = (self.dequantized, None) if self.dequantized is not None else (self.weight, self.scale)
+        return (w, scale) if e is None else (w[e], None if scale is None else scale[e])
 
 
 def linears(x, *lins):
@@ -704,37 +703,24 @@ def moe_experts(x, weights, idx, experts):
     """The routed experts of a MoE layer (the reference of the grouped MoE kernel): each a SwiGLU MLP over
     the tokens that chose it, summed with their routing weights in fp32. x [T, dim] bf16; weights, idx [T,
     A]; experts.w1, w3 [E, I, dim], w2 [E, dim, I] FP8 stacks -> [T, dim] fp32. Grouped as the kernel: the
-    (token, choice) pairs sorted by expert, one GEMM per expert over its rows (a row is quantized alike in
-    any group: act_quant works per row, so each is quantized once)."""
+    (token, choice) pairs sorted by expert, one GEMM per expert over its rows (fp8_linear quantizes per row:
+    a row's bits do not depend on its group)."""
     T, A = idx.shape
     idx, order = idx.sort(-1)  # each token's experts ascending: summed in that order
     pair = idx.flatten().argsort(stable=True)  # [P] pairs t * A + a by expert, tokens ascending in each
     pair = pair[idx.flatten()[pair] < experts.w1.weight.shape[0]]  # idx E: another rank's, skipped
-    y = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
-    if len(pair) == 0:
-        return y
     ids, counts = idx.flatten()[pair].unique_consecutive(return_counts=True)
-    groups = (ids.tolist(), counts.tolist())
-    rows = act_dequant(*act_quant(x)).to(acc_dtype(x))[pair // A]  # [P, dim]
-    h = swiglu(grouped_linear(rows, experts.w1, *groups), grouped_linear(rows, experts.w3, *groups))
-    out = grouped_linear(act_dequant(*act_quant(h)).to(acc_dtype(h)), experts.w2, *groups)  # [P, dim] bf16
+    out = []
+    for e, rows in zip(ids.tolist(), x[pair // A].split(counts.tolist()), strict=True):  # rows [n_e, dim]
+        w1, w3, w2 = (lin.operands(e) for lin in (experts.w1, experts.w3, experts.w2))
+        out.append(fp8_linear(swiglu(fp8_linear(rows, *w1), fp8_linear(rows, *w3)), *w2))  # [n_e, dim] bf16
     each = torch.zeros(T * A, x.shape[1], dtype=torch.float32, device=x.device)  # [T * A, dim]
-    each[pair] = out.float() * weights.gather(1, order).flatten()[pair, None]
+    if out:
+        each[pair] = torch.cat(out).float() * weights.gather(1, order).flatten()[pair, None]
+    y = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
     for a in range(A):
         y += each.view(T, A, -1)[:, a]
     return y
-
-
-def grouped_linear(rows, linear, experts, counts):
-    """rows [P, in] (already quantized, acc dtype) sorted by expert, counts[i] of them for experts[i], each
-    times its expert's weight of the stack `linear` -> [P, out] bf16: fp8_linear's math, one GEMM per
-    group."""
-    w, scales = linear.operands()
-    out = []
-    for e, part in zip(experts, rows.split(counts), strict=True):
-        w_e = w[e] if scales is None else weight_dequant(w[e], scales[e])
-        out.append(F.linear(part, w_e.to(rows.dtype)))
-    return torch.cat(out).to(BF16)
 
 
 class MoE(nn.Module):
@@ -1082,19 +1068,22 @@ TORCH_OPS.uniform, TORCH_OPS.sample, TORCH_OPS.probs_from_logits = uniform, samp
 
 
 @dataclass
-class Sampling:
-    """How the requests of a batch draw their tokens, on the device, one entry per request."""
+class Batch:
+    """A decode round's inputs, on the device, one row per request: its tokens and position, its drafts'
+    distributions, and how it draws. The round overwrites tokens, start and q with the next round's, so a
+    batch that does not change goes on from them without the host."""
 
+    tokens: torch.Tensor  # [B, k+1] x_L (the last token), then the drafts d_1..d_k
+    start: torch.Tensor  # [B] L: the position of x_L (its KV and the drafts' are written this round)
+    q: torch.Tensor  # [B, k, vocab] the drafts' distributions (None: a greedy batch, or k = 0)
     seeds: torch.Tensor  # [B] int64
     temperature: torch.Tensor  # [B] fp32, 0 for greedy
     top_p: torch.Tensor  # [B] fp32
     sampling: bool  # host: whether any request samples (a greedy batch needs no distributions)
 
-    @classmethod
-    def of(cls, reqs, device):
-        seeds = to_device(torch.tensor([r.seed for r in reqs]), device)
-        rest = to_device(torch.tensor([[r.temperature, r.top_p] for r in reqs]), device)
-        return cls(seeds, rest[:, 0], rest[:, 1], any(r.temperature > 0 for r in reqs))
+    def tensors(self):
+        """The per-request tensors (a CUDA graph copies them into its static inputs)."""
+        return [self.tokens, self.start, self.q, self.seeds, self.temperature, self.top_p]
 
 
 def residual_probs(p, q):
@@ -1103,28 +1092,31 @@ def residual_probs(p, q):
     return torch.where(r.amax(-1, keepdim=True) > 0, r, p)
 
 
-def accept(ops, tokens, logits, q, sp: Sampling, start):
-    """Speculative acceptance of every request at once, on the device. tokens [B, k+1]: x_L then the drafts
-    d_1..d_k (d_j at position L+j, L = start [B]); logits [B, k+1, V]: the main model's at those rows; q [B,
-    k, V]: the distributions the drafts were drawn from -> (emitted [B, k+1]: the accepted drafts, then one
-    token of the main model; counts [B]: how many of them). A greedy batch keeps the longest prefix of drafts
-    equal to the argmax, then the argmax. Sampling keeps d_j with probability min(1, p(d_j) / q(d_j)), and at
-    the first rejection draws from max(p - q, 0), after k acceptances from p: the output follows the main
-    model's distribution exactly. (A greedy row of a sampling batch has one-hot p and q: the same test.)"""
+def accept(ops, batch: Batch, logits):
+    """Speculative acceptance of every request at once, on the device. batch.tokens [B, k+1]: x_L then the
+    drafts d_1..d_k (d_j at position L+j, L = batch.start); logits [B, k+1, V]: the main model's at those
+    rows; batch.q [B, k, V]: the distributions the drafts were drawn from -> (emitted [B, k+1]: the accepted
+    drafts, then one token of the main model; counts [B]: how many of them). A greedy batch keeps the longest
+    prefix of drafts equal to the argmax, then the argmax. Sampling keeps d_j with probability min(1, p(d_j) /
+    q(d_j)), and at the first rejection draws from max(p - q, 0), after k acceptances from p: the output
+    follows the main model's distribution exactly. (A greedy row of a sampling batch has one-hot p and q: the
+    same test.)"""
     B, n, _ = logits.shape
-    drafts = tokens[:, 1:]
-    if not sp.sampling:
+    drafts, start = batch.tokens[:, 1:], batch.start
+    if not batch.sampling:
         target = logits.argmax(-1)  # [B, k+1]: the accepted drafts equal it
         return target, (drafts == target[:, :-1]).cumprod(1).sum(1) + 1
-    p = ops.probs_from_logits(logits, sp.temperature[:, None], sp.top_p[:, None])  # [B, k+1, V]
+    p = ops.probs_from_logits(logits, batch.temperature[:, None], batch.top_p[:, None])  # [B, k+1, V]
     zero = torch.zeros_like(p[:, :1])
-    q = zero if q is None else torch.cat([q, zero], 1)  # [B, k+1, V]: after k acceptances, p itself
+    q = (
+        zero if batch.q is None else torch.cat([batch.q, zero], 1)
+    )  # [B, k+1, V]: after k acceptances, p itself
     positions = start[:, None] + 1 + torch.arange(n, device=start.device)  # of the token each row decides
     px, qx = (d[:, :-1].gather(-1, drafts[..., None])[..., 0] for d in (p, q))  # [B, k]
-    u = ops.uniform(sp.seeds[:, None], positions[:, :-1], ACCEPT, 1)[..., 0]
+    u = ops.uniform(batch.seeds[:, None], positions[:, :-1], ACCEPT, 1)[..., 0]
     a = (u * qx <= px).long().cumprod(1).sum(1)  # [B] accepted drafts
     rows = torch.arange(B, device=start.device)
-    last = ops.sample(residual_probs(p[rows, a], q[rows, a]), sp.seeds, positions[rows, a], TARGET)
+    last = ops.sample(residual_probs(p[rows, a], q[rows, a]), batch.seeds, positions[rows, a], TARGET)
     emitted = torch.cat([drafts, last[:, None]], 1).scatter(1, a[:, None], last[:, None])
     return emitted, a + 1
 
@@ -1340,21 +1332,6 @@ class Scheduler:
 
 
 # ---- The speculative round: verify -> accept -> draft-extend -> draft, one function of device tensors ------
-@dataclass
-class Batch:
-    """A decode round's inputs, on the device, one row per request. The round overwrites tokens, start and q
-    with the next round's, so a batch that does not change goes on from them without the host."""
-
-    tokens: torch.Tensor  # [B, k+1] x_L (the last token), then the drafts d_1..d_k
-    start: torch.Tensor  # [B] L: the position of x_L (its KV and the drafts' are written this round)
-    q: torch.Tensor  # [B, k, vocab] the drafts' distributions (None: a greedy batch, or k = 0)
-    sp: Sampling
-
-    def tensors(self):
-        """The per-request tensors (a CUDA graph copies them into its static inputs)."""
-        return [self.tokens, self.start, self.q, self.sp.seeds, self.sp.temperature, self.sp.top_p]
-
-
 def speculative_round(model, cache, batch: Batch, table):
     """One decode round of every request of the batch, on the device with no host synchronization (a CUDA
     graph captures it whole) -> (settled [B, k+2]: the emitted tokens, then how many; the verify logits [B,
@@ -1375,7 +1352,7 @@ def speculative_round(model, cache, batch: Batch, table):
     meta = Meta("decode", positions, rows, table, list(range(0, B * n + 1, n)), table.shape[1])
     h = model(batch.tokens.flatten(), meta, cache)
     logits = model.logits(h).view(B, n, -1)
-    emitted, counts = accept(model.ops, batch.tokens, logits, batch.q, batch.sp, batch.start)
+    emitted, counts = accept(model.ops, batch, logits)
     next_tokens = emitted  # (k = 0: the one token emitted)
     if n > 1:
         kept = (offsets < counts[:, None]).flatten()  # [B*(k+1)] the rows whose x was emitted
@@ -1398,7 +1375,7 @@ def draft(model, cache, h, start, batch, table):
     - 1 (its hidden state h [B, dim]), then k-1 chained MTP decode steps at positions start, start + 1, ... ->
     (drafts [B, k], the distributions q [B, k, vocab] they were drawn from; None for a greedy batch, whose
     drafts are the argmax)."""
-    B, k, sp = len(start), batch.tokens.shape[1] - 1, batch.sp
+    B, k = len(start), batch.tokens.shape[1] - 1
     rows = torch.arange(B, device=start.device)
     tokens, dists = [], []
     for step in range(k):
@@ -1406,12 +1383,12 @@ def draft(model, cache, h, start, batch, table):
             meta = Meta("decode", start + (step - 1), rows, table, list(range(B + 1)), table.shape[1])
             h = model.mtp_forward(tokens[-1], h, meta, cache)
         logits = model.mtp[0].logits(h)  # [B, V]
-        if sp.sampling:  # (d_{step+1} is the token at position start + step + 1)
-            dists.append(model.ops.probs_from_logits(logits, sp.temperature, sp.top_p))
-            tokens.append(model.ops.sample(dists[-1], sp.seeds, start + (step + 1), DRAFT))
+        if batch.sampling:  # (d_{step+1} is the token at position start + step + 1)
+            dists.append(model.ops.probs_from_logits(logits, batch.temperature, batch.top_p))
+            tokens.append(model.ops.sample(dists[-1], batch.seeds, start + (step + 1), DRAFT))
         else:
             tokens.append(logits.argmax(-1))
-    return torch.stack(tokens, 1), torch.stack(dists, 1) if sp.sampling else None
+    return torch.stack(tokens, 1), torch.stack(dists, 1) if batch.sampling else None
 
 
 def read_back(x):
@@ -1446,10 +1423,10 @@ class CudaGraphs:
         zeros = functools.partial(torch.zeros, dtype=torch.long, device=cache.latent.device)
         context = max_context + round_lookahead(num_draft) + 1  # the furthest position a round writes, +1
         self.max_width = -(-context // page_size) * page_size
-        sp = Sampling(zeros(bs), zeros(bs).float(), zeros(bs).float() + 1, False)
         self.table = zeros(bs, self.max_width)
         q = torch.zeros(bs, num_draft, model.cfg.vocab_size, device=self.table.device) if num_draft else None
-        self.static = Batch(zeros(bs, num_draft + 1), zeros(bs), q, sp)  # every graph's
+        how = (zeros(bs), zeros(bs).float(), zeros(bs).float() + 1)  # seeds, temperature, top_p
+        self.static = Batch(zeros(bs, num_draft + 1), zeros(bs), q, *how, False)  # every graph's
         self.graphs = {}
         self.pool = None  # one memory pool for all of them
 
@@ -1467,12 +1444,12 @@ class CudaGraphs:
         outputs, overwritten by its next replay; rows past B are padding)."""
         s = self.static
         bs = next(b for b in self.buckets if b >= B)
-        key = (bs, self.width(max_ctx), batch.sp.sampling)
+        key = (bs, self.width(max_ctx), batch.sampling)
         if batch is not s:  # inputs from the host: copied in, padded (top_p 1: a distribution to sample)
             for mine, theirs in zip(s.tensors(), batch.tensors(), strict=True):
                 if theirs is not None:
                     mine[:B], mine[B:bs] = theirs, 0
-            s.sp.top_p[B:bs], s.sp.sampling = 1, batch.sp.sampling
+            s.top_p[B:bs], s.sampling = 1, batch.sampling
         self.table[:B, : table.shape[1]] = table
         if B < bs:
             self.table[B:bs, : key[1]] = 0  # (so every position of a padding row is the dummy slot)
@@ -1487,8 +1464,9 @@ class CudaGraphs:
         zeroes for its warm-up run (every row then writes the dummy slot 0) and restores."""
         (bs, width, sampling), s = key, self.static
         q = s.q[:bs] if sampling and s.q is not None else None  # (k = 0: no drafts)
-        sp = Sampling(s.sp.seeds[:bs], s.sp.temperature[:bs], s.sp.top_p[:bs], sampling)
-        batch = Batch(s.tokens[:bs], s.start[:bs], q, sp)
+        batch = Batch(
+            s.tokens[:bs], s.start[:bs], q, s.seeds[:bs], s.temperature[:bs], s.top_p[:bs], sampling
+        )
         round_ = functools.partial(speculative_round, self.model, self.cache, batch, self.table[:bs, :width])
         inputs = [t for t in s.tensors() + [self.table] if t is not None]
         what = f"the {'sampling' if sampling else 'greedy'} round for bs {bs}, contexts <= {width}"
@@ -1616,7 +1594,7 @@ class LLM:
         reqs, starts, lens = zip(*chunks, strict=True)
         meta = Meta.build("prefill", starts, lens, self.pool.table(reqs))
         pairs = [r.tokens[p : p + 2] for r, s, n in chunks for p in range(s, s + n)]  # (x_p, x_{p+1})
-        tokens = torch.tensor(pairs, device=self.device)
+        tokens = to_device(torch.tensor(pairs), self.device)
         h = self.model(tokens[:, 0], meta, self.cache)
         if self.num_draft:
             self.model.mtp_forward(tokens[:, 1], h, meta, self.cache)
@@ -1645,22 +1623,25 @@ class LLM:
             self.apply(*previous)
 
     def new_batch(self, reqs):
-        """A round's inputs from the host's state: each request's last token, position and drafts (table None
-        and context bound 0: decode or CudaGraphs.run sets them at each round)."""
+        """A round's inputs from the host's state: each request's last token, position, drafts and how it
+        draws (a request's first round: placeholder drafts, LLM.prefill)."""
         k = self.num_draft
-        host = to_device(torch.tensor([[r.tokens[-1], r.num_cached] for r in reqs]), self.device)
-        tokens = host[:, :1]
-        sp = Sampling.of(reqs, self.device)
-        q = None
+        host = to_device(torch.tensor([[r.tokens[-1], r.num_cached, r.seed] for r in reqs]), self.device)
+        how = to_device(torch.tensor([[r.temperature, r.top_p] for r in reqs]), self.device)
+        sampling = any(r.temperature > 0 for r in reqs)
+        tokens, q = host[:, :1], None
         if k:
-            for r in (r for r in reqs if r.draft is None):  # its first round: placeholders (LLM.prefill)
-                r.draft = torch.zeros(k, dtype=torch.long, device=self.device)
-            tokens = torch.cat([tokens, torch.stack([r.draft for r in reqs])], 1)
-        if k and sp.sampling:  # a request drafted in a greedy batch drew its drafts from one-hot q
+            drafts = [
+                r.draft if r.draft is not None else torch.zeros_like(host[0, :1]).expand(k) for r in reqs
+            ]
+            tokens = torch.cat([tokens, torch.stack(drafts)], 1)
+        if k and sampling:  # a request drafted in a greedy batch (or none yet) drew from one-hot q
             V = self.cfg.vocab_size
-            q = torch.stack([r.q if r.q is not None else F.one_hot(r.draft, V) for r in reqs])
+            q = torch.stack(
+                [r.q if r.q is not None else F.one_hot(d, V) for r, d in zip(reqs, drafts, strict=True)]
+            )
             q = q.to(acc_dtype(tokens))  # (acc_dtype reads only the device)
-        return Batch(tokens, host[:, 1].clone(), q, sp)
+        return Batch(tokens, host[:, 1].clone(), q, host[:, 2].clone(), how[:, 0], how[:, 1], sampling)
 
     def settle(self):
         """Accept the round in flight, if any, and keep each request's next drafts: the round left them in
@@ -1670,7 +1651,7 @@ class LLM:
         reqs = self.launched[0]
         self.apply(*self.launched)
         self.launched = None
-        sampled = self.batch.sp.sampling and self.num_draft
+        sampled = self.batch.sampling and self.num_draft
         for b, r in enumerate(reqs):
             r.draft = self.batch.tokens[b, 1:].clone()
             r.q = self.batch.q[b].clone() if sampled else None

@@ -746,7 +746,7 @@ def oracle_drafts(monkeypatch, prompts, reference, wrong_every=7):
         if start.device not in on_device:
             on_device[start.device] = want.to(start.device)
         truth = on_device[start.device]
-        seeds = batch.sp.seeds[:, None]
+        seeds = batch.seeds[:, None]
         pos = (start[:, None] + 1 + torch.arange(k, device=start.device)).clamp(max=width - 1)  # d_1..d_k
         t = truth[seeds.clamp(max=len(seqs) - 1), pos]
         return torch.where((pos + seeds) % wrong_every == 0, (t + 1) % 262, t), None
@@ -809,8 +809,8 @@ def _sample_spec(p, q, n_seeds):
     qs = q[None].expand(n_seeds, -1, -1).double()
     drafts = m.sample(qs, seeds[:, None], 1 + torch.arange(k), m.DRAFT)  # [n, k]
     tokens = torch.cat([torch.zeros(n_seeds, 1, dtype=torch.long), drafts], 1)
-    sp = m.Sampling(seeds, torch.ones(n_seeds), torch.ones(n_seeds), True)
-    emitted, counts = m.accept(m.TORCH_OPS, tokens, p.log()[None].expand(n_seeds, -1, -1), qs, sp, start)
+    batch = m.Batch(tokens, start, qs, seeds, torch.ones(n_seeds), torch.ones(n_seeds), True)
+    emitted, counts = m.accept(m.TORCH_OPS, batch, p.log()[None].expand(n_seeds, -1, -1))
     return [e[:c].tolist() for e, c in zip(emitted, counts, strict=True)]
 
 
@@ -875,7 +875,7 @@ def test_every_decode_round_is_the_one_speculative_round(tiny_dir, monkeypatch):
     speculative_round (verify, accept, draft-extend, draft on the device), once per round."""
     calls = []
     round_ = m.speculative_round
-    monkeypatch.setattr(m, "speculative_round", lambda *a: calls.append(a[2].sp.sampling) or round_(*a))
+    monkeypatch.setattr(m, "speculative_round", lambda *a: calls.append(a[2].sampling) or round_(*a))
     for mtp in (0, 2):
         llm = make_llm(tiny_dir, mtp)
         for temperature in (0.0, 0.7):
@@ -1087,7 +1087,7 @@ def test_mtp_drafts_match_recomputed_mtp(tiny_dir, tmp_path, monkeypatch, mtp_la
 
     def draft(model, cache, h, start, batch, table):
         drafts, q = orig(model, cache, h, start, batch, table)
-        records.extend(zip(batch.sp.seeds.tolist(), start.tolist(), drafts.tolist(), strict=True))
+        records.extend(zip(batch.seeds.tolist(), start.tolist(), drafts.tolist(), strict=True))
         return drafts, q
 
     monkeypatch.setattr(m, "draft", draft)
@@ -2218,7 +2218,7 @@ def test_speculative_sampling_follows_main_model_end_to_end(tiny_dir, monkeypatc
     test_rejection_sampling_is_exact.)"""
     if broken:
         accept = m.accept
-        monkeypatch.setattr(m, "accept", lambda ops, t, lg, *a: accept(ops, t, torch.roll(lg, -1, 1), *a))
+        monkeypatch.setattr(m, "accept", lambda ops, b, lg: accept(ops, b, torch.roll(lg, -1, 1)))
     llm = make_llm(tiny_dir, 1, max_batch=2048)
     monkeypatch.setattr(llm.cfg, "eos_token_id", -1)  # EOS would hide the logits row of the 2nd token
     T = 0.6
