@@ -224,12 +224,12 @@ class Linear(nn.Module):
             return self.ops.dense_linear(x, weight)
         return self.ops.fp8_linear(x, weight, scale, self.partial)
 
-    def operands(self, e=None):
+    def operands(self):
         """(weight, scale) as the ops read them: the weight as loaded and its block scales (None for a plain
-        weight), or the copy the references dequantized or widened at load and None. e: expert e's of a
-        stack."""
-        w, scale = (self.dequantized, None) if self.dequantized is not None else (self.weight, self.scale)
-        return (w, scale) if e is None else (w[e], None if scale is None else scale[e])
+        weight), or the copy the references dequantized or widened at load and None."""
+        if self.dequantized is not None:
+            return self.dequantized, None
+        return self.weight, self.scale
 
 
 def linears(x, *lins):
@@ -703,24 +703,37 @@ def moe_experts(x, weights, idx, experts):
     """The routed experts of a MoE layer (the reference of the grouped MoE kernel): each a SwiGLU MLP over
     the tokens that chose it, summed with their routing weights in fp32. x [T, dim] bf16; weights, idx [T,
     A]; experts.w1, w3 [E, I, dim], w2 [E, dim, I] FP8 stacks -> [T, dim] fp32. Grouped as the kernel: the
-    (token, choice) pairs sorted by expert, one GEMM per expert over its rows (fp8_linear quantizes per row:
-    a row's bits do not depend on its group)."""
+    (token, choice) pairs sorted by expert, one GEMM per expert over its rows (a row is quantized alike in
+    any group: act_quant works per row, so each is quantized once)."""
     T, A = idx.shape
     idx, order = idx.sort(-1)  # each token's experts ascending: summed in that order
     pair = idx.flatten().argsort(stable=True)  # [P] pairs t * A + a by expert, tokens ascending in each
     pair = pair[idx.flatten()[pair] < experts.w1.weight.shape[0]]  # idx E: another rank's, skipped
-    ids, counts = idx.flatten()[pair].unique_consecutive(return_counts=True)
-    out = []
-    for e, rows in zip(ids.tolist(), x[pair // A].split(counts.tolist()), strict=True):  # rows [n_e, dim]
-        w1, w3, w2 = (lin.operands(e) for lin in (experts.w1, experts.w3, experts.w2))
-        out.append(fp8_linear(swiglu(fp8_linear(rows, *w1), fp8_linear(rows, *w3)), *w2))  # [n_e, dim] bf16
-    each = torch.zeros(T * A, x.shape[1], dtype=torch.float32, device=x.device)  # [T * A, dim]
-    if out:
-        each[pair] = torch.cat(out).float() * weights.gather(1, order).flatten()[pair, None]
     y = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
+    if len(pair) == 0:
+        return y
+    ids, counts = idx.flatten()[pair].unique_consecutive(return_counts=True)
+    groups = (ids.tolist(), counts.tolist())
+    rows = act_dequant(*act_quant(x)).to(acc_dtype(x))[pair // A]  # [P, dim]
+    h = swiglu(grouped_linear(rows, experts.w1, *groups), grouped_linear(rows, experts.w3, *groups))
+    out = grouped_linear(act_dequant(*act_quant(h)).to(acc_dtype(h)), experts.w2, *groups)  # [P, dim] bf16
+    each = torch.zeros(T * A, x.shape[1], dtype=torch.float32, device=x.device)  # [T * A, dim]
+    each[pair] = out.float() * weights.gather(1, order).flatten()[pair, None]
     for a in range(A):
         y += each.view(T, A, -1)[:, a]
     return y
+
+
+def grouped_linear(rows, linear, experts, counts):
+    """rows [P, in] (already quantized, acc dtype) sorted by expert, counts[i] of them for experts[i], each
+    times its expert's weight of the stack `linear` -> [P, out] bf16: fp8_linear's math, one GEMM per
+    group."""
+    w, scales = linear.operands()
+    out = []
+    for e, part in zip(experts, rows.split(counts), strict=True):
+        w_e = w[e] if scales is None else weight_dequant(w[e], scales[e])
+        out.append(F.linear(part, w_e.to(rows.dtype)))
+    return torch.cat(out).to(BF16)
 
 
 class MoE(nn.Module):
