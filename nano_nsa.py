@@ -1600,19 +1600,28 @@ class LLM:
     def prefill(self, chunks):
         """Prompt chunks [(request, first position, length)] into the KV cache: the main model over their
         rows, then the MTP layer over the same rows (its own KV), position p pairing the main hidden h_p with
-        the prompt's next token x_{p+1}. A prompt's last token is not prefilled: it is x_L of the request's
-        first decode round, so every token a request emits is drawn by a round. That first round's drafts are
-        placeholders (token 0, from a one-hot q: acceptance stays exact), so it emits one token, and drafts
-        the next round's."""
+        the prompt's next token x_{p+1}. A prompt's last token x_{P-1} is not prefilled: it is x_L of the
+        request's first decode round, so every token a request emits is drawn by a round. That round's drafts
+        repeat the MTP layer's guess of x_P from the prompt's last prefilled row: its argmax, drawn from a
+        one-hot q, which keeps acceptance exact for a sampling request too."""
         reqs, starts, lens = zip(*chunks, strict=True)
         meta = Meta.build("prefill", starts, lens, self.pool.table(reqs))
         pairs = [r.tokens[p : p + 2] for r, s, n in chunks for p in range(s, s + n)]  # (x_p, x_{p+1})
         tokens = to_device(torch.tensor(pairs), self.device)
         h = self.model(tokens[:, 0], meta, self.cache)
-        if self.num_draft:
-            self.model.mtp_forward(tokens[:, 1], h, meta, self.cache)
         for r, _, n in chunks:
             r.num_cached += n
+        if not self.num_draft:
+            return
+        h = self.model.mtp_forward(tokens[:, 1], h, meta, self.cache)
+        ends = zip(reqs, meta.cu_seqlens[1:], strict=True)
+        done = [
+            (r, end - 1) for r, end in ends if r.num_cached == r.prompt_len - 1
+        ]  # (request, its last row)
+        if done:
+            guess = self.model.mtp[0].logits(h[[row for _, row in done]]).argmax(-1)  # [len(done)]: x_P
+            for (r, _), d in zip(done, guess, strict=True):
+                r.draft = d.repeat(self.num_draft)
 
     def decode(self, reqs):
         """One speculative round of `reqs`: launched from the inputs the last round left on the device while
@@ -1637,21 +1646,20 @@ class LLM:
 
     def new_batch(self, reqs):
         """A round's inputs from the host's state: each request's last token, position, drafts and how it
-        draws (a request's first round: placeholder drafts, LLM.prefill)."""
+        draws."""
         k = self.num_draft
         host = to_device(torch.tensor([[r.tokens[-1], r.num_cached, r.seed] for r in reqs]), self.device)
         how = to_device(torch.tensor([[r.temperature, r.top_p] for r in reqs]), self.device)
         sampling = any(r.temperature > 0 for r in reqs)
         tokens, q = host[:, :1], None
         if k:
-            drafts = [
-                r.draft if r.draft is not None else torch.zeros_like(host[0, :1]).expand(k) for r in reqs
-            ]
+            none = torch.zeros_like(host[0, :1]).expand(k)  # (a prompt of one token: no guess, placeholders)
+            drafts = [none if r.draft is None else r.draft for r in reqs]
             tokens = torch.cat([tokens, torch.stack(drafts)], 1)
-        if k and sampling:  # a request drafted in a greedy batch (or none yet) drew from one-hot q
+        if k and sampling:  # drafts drawn by an argmax (a greedy batch, prefill's guess) came from one-hot q
             V = self.cfg.vocab_size
             q = torch.stack(
-                [r.q if r.q is not None else F.one_hot(d, V) for r, d in zip(reqs, drafts, strict=True)]
+                [F.one_hot(d, V) if r.q is None else r.q for r, d in zip(reqs, drafts, strict=True)]
             )
             q = q.to(acc_dtype(tokens))  # (acc_dtype reads only the device)
         return Batch(tokens, host[:, 1].clone(), q, host[:, 2].clone(), how[:, 0], how[:, 1], sampling)
