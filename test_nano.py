@@ -2210,9 +2210,9 @@ def _chi2_crit(df, z=3.09):
 
 @pytest.mark.parametrize("broken", [None, "wrong_row"])
 def test_speculative_sampling_follows_main_model_end_to_end(tiny_dir, monkeypatch, broken):
-    """The engine with the (random) MTP layer drafting: each request's 2nd token is the main model's draw after
-    its first round accepted prefill's guess (one-hot q), or is settled by its second round (an accepted MTP
-    draft, or a residual draw). Pooled over 1500 seeds, its counts match the main model's own
+    """The engine with the (random) MTP layer drafting: each request's 2nd token is the main model's draw
+    after its first round accepted prefill's guess (one-hot q), or is settled by its second round (an accepted
+    MTP draft, or a residual draw). Pooled over 1500 seeds, its counts match the main model's own
     distributions (the returned logits rows) by a chi-square test; judging a draft by the wrong verify row is
     caught. (The acceptance rule itself is checked on exact distributions in
     test_rejection_sampling_is_exact.)"""
