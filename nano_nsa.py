@@ -1494,8 +1494,8 @@ class LLM:
     retire) until every request is done. A decode round is speculative_round over every running request
     (from a CUDA graph where the engine has them), read back once. While the batch stays the same the host
     launches round n+1 from the inputs round n left on the device before it reads round n back, and accepts
-    round n while the GPU runs round n+1. A request that finishes drafts on for that round, into its own
-    pages."""
+    round n while the GPU runs round n+1 (not when round n may end every request: LLM.decode). A request
+    that finishes drafts on for that round, into its own pages."""
 
     def __init__(
         self,
@@ -1588,12 +1588,12 @@ class LLM:
         return [self.result(r, return_logits) for r in reqs]
 
     def step(self):
-        """One engine step: schedule -> run -> retire. Returns what ran ("prefill" or "decode")."""
+        """One engine step: schedule -> run -> retire. Returns what ran ("prefill", "decode" or "settle")."""
         mode, batch = self.scheduler.schedule()
         if mode == "prefill":
             self.prefill(batch)
-        elif batch:
-            self.decode(batch)
+        elif batch and not self.decode(batch):
+            mode = "settle"  # no round launched: the one in flight ended every request
         self.scheduler.retire()
         return mode
 
@@ -1625,9 +1625,15 @@ class LLM:
 
     def decode(self, reqs):
         """One speculative round of `reqs`: launched from the inputs the last round left on the device while
-        the batch stays the same, else (accepting the round in flight first) from the host's state."""
-        if self.launched is None or self.launched[0] != reqs:  # not the same Request objects, in order
+        the batch stays the same, else (accepting the round in flight first) from the host's state. Near the
+        end, when the round in flight may finish every request, it is accepted first too: a round launched
+        after it could be wasted work that generate waits for. Returns whether a round was launched."""
+        near_end = all(len(r.generated) + self.num_draft + 1 >= r.max_new_tokens for r in reqs)
+        if self.launched is None or self.launched[0] != reqs or near_end:  # (not the same Request objects)
             self.settle()
+            reqs = [r for r in reqs if r.finish is None]
+            if not reqs:
+                return False
             self.batch = self.new_batch(reqs)
         table = self.pool.table(reqs)  # (with the pages reserved since the last round)
         # a bound on the round's contexts (the host is a round behind)
@@ -1643,6 +1649,7 @@ class LLM:
         previous, self.launched = self.launched, (reqs, self.model.ops.read_back(settled), logits)
         if previous:
             self.apply(*previous)
+        return True
 
     def new_batch(self, reqs):
         """A round's inputs from the host's state: each request's last token, position, drafts and how it

@@ -754,6 +754,29 @@ def oracle_drafts(monkeypatch, prompts, reference, wrong_every=7):
     monkeypatch.setattr(m, "draft", draft)
 
 
+@pytest.mark.parametrize("mtp", [0, 2])
+def test_no_round_is_launched_past_the_end(tiny_dir, monkeypatch, mtp):
+    """The host runs one round ahead, but not past the end: requests that end by length get no round whose
+    tokens are then dropped. Every launched round is applied (counted by accept_lengths; at mtp 0 one round a
+    token), and a batch's tokens are those of its requests alone."""
+    llm = make_llm(tiny_dir, mtp)
+    monkeypatch.setattr(llm.cfg, "eos_token_id", -1)  # every request ends by length
+    calls = []
+    round_ = m.speculative_round
+    monkeypatch.setattr(m, "speculative_round", lambda *a: calls.append(len(a[2].start)) or round_(*a))
+    prompts = mixed_prompts(3)
+    alone = [
+        llm.generate([p], max_new_tokens=n)[0].token_ids for p, n in zip(prompts, (9, 5, 7), strict=True)
+    ]
+    for n, want in zip((9, 5, 7), alone, strict=True):
+        assert len(want) == n
+    calls.clear()
+    out = llm.generate([prompts[0]], max_new_tokens=9)[0]
+    assert len(calls) == (len(out.accept_lengths) if mtp else 9), calls
+    batch = llm.generate(prompts, max_new_tokens=[9, 5, 7])
+    assert [r.token_ids for r in batch] == alone
+
+
 def test_interrupted_generate_leaves_the_engine_clean(tiny_dir):
     """A generate stopped by an exception (here an on_tokens that raises, as Ctrl-C would) leaves no request
     in the scheduler and no page taken: the next generate gives a fresh engine's tokens."""
