@@ -821,7 +821,8 @@ def capture(fn, pool, inputs, what):
     """fn() captured as a CUDA graph after one eager run (which builds and autotunes its kernels) -> (the
     graph, fn's outputs, which each replay overwrites). pool: the memory pool the graph shares (None for the
     first: graph.pool() is then the one to share). inputs: the tensors fn reads, zeroed for the warm-up run
-    and the capture (their values are the replays'), then restored. what: a line to stderr names the graph."""
+    (every row of a round then writes the dummy slot 0; a replay reads what is copied in later), restored
+    after the capture. what: a line to stderr names the graph."""
     t0 = time.perf_counter()
     kept = [(t, t.clone()) for t in inputs]
     for t, _ in kept:

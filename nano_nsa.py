@@ -1147,8 +1147,8 @@ class Request:
     num_cached: int = 0  # positions whose main-model KV is in the pool; decode phase: len(tokens) - 1
     pages: list = field(default_factory=list)
     swapped: list = None  # its KV in host memory while preempted (PagePool.swap_out)
-    draft: torch.Tensor = None  # [k] its next verify's drafts, on the device, while not in a batch (None:
-    # before its first round)
+    draft: torch.Tensor = None  # [k] its next verify's drafts, on the device, while not in a batch (set by
+    # prefill's last chunk; None for a one-token prompt)
     q: torch.Tensor = None  # [k, V] their distributions (drafted in a sampling batch)
     return_logits: bool = False  # keep the main-model logits row of every emitted token in `logits`
     on_tokens: object = None  # called as on_tokens(idx, [token]) for every emitted token
@@ -1265,10 +1265,10 @@ def round_lookahead(num_draft):
 class Scheduler:
     """Which requests run in the next step. Requests wait in arrival order and are admitted while the batch
     has room and the pool has pages for their prompt and first drafts. A step is a prefill step while any
-    running request has prompt left (chunks of at most max_prefill_tokens rows in all), else a decode round
-    over every running request. A round that cannot get its pages preempts the newest request: its KV moves
-    to host memory, its pages go back, and it waits at the front of the queue to be swapped in and go on
-    exactly where it stopped (same KV, same drafts)."""
+    running request has prompt left before its last token (chunks of at most max_prefill_tokens rows in all),
+    else a decode round over every running request. A round that cannot get its pages preempts the newest
+    request: its KV moves to host memory, its pages go back, and it waits at the front of the queue to be
+    swapped in and go on exactly where it stopped (same KV, same drafts)."""
 
     def __init__(self, pool: PagePool, max_batch, max_prefill_tokens, num_draft, index_topk):
         self.pool = pool
@@ -1335,6 +1335,9 @@ class Scheduler:
         for r in [r for r in self.running if r.finish]:
             self.running.remove(r)
             self.pool.release(r)
+        for r in [r for r in self.waiting if r.finish]:  # preempted while its last round was in flight
+            self.waiting.remove(r)
+            r.swapped = None
 
     def drop_all(self):
         """Forget every request (a generate that was interrupted): the running ones give their pages back."""
@@ -1628,7 +1631,7 @@ class LLM:
         the batch stays the same, else (accepting the round in flight first) from the host's state. Near the
         end, when the round in flight may finish every request, it is accepted first too: a round launched
         after it could be wasted work that generate waits for. Returns whether a round was launched."""
-        near_end = all(len(r.generated) + self.num_draft + 1 >= r.max_new_tokens for r in reqs)
+        near_end = all(len(r.tokens) - r.prompt_len + self.num_draft + 1 >= r.max_new_tokens for r in reqs)
         if self.launched is None or self.launched[0] != reqs or near_end:  # (not the same Request objects)
             self.settle()
             reqs = [r for r in reqs if r.finish is None]

@@ -946,6 +946,27 @@ def test_preempted_requests_continue_with_the_kv_they_had(tiny_dir):
     assert len(small.pool.free) == 168 // 8 - 1, "pages leaked"
 
 
+def test_a_request_preempted_in_its_last_round_is_not_swapped_back(tiny_dir, monkeypatch):
+    """A request preempted while the round that ends it is in flight finishes in the queue: it leaves it at
+    once, and its KV is never copied back (a pool size where this happens, found by trying sizes). Tokens
+    equal a pool that never preempts."""
+    per_token = m.KVCache.bytes_per_token(m.Config.tiny())
+    prompts, budgets = mixed_prompts(6, seed=21), [5, 9, 13, 16, 7, 11]
+    roomy = make_llm(tiny_dir, 3)
+    small = make_llm(tiny_dir, 3, kv_cache_bytes=per_token * 8 * 16, page_size=8)
+    for llm in (roomy, small):
+        monkeypatch.setattr(llm.cfg, "eos_token_id", -1)  # every request ends by length
+    want = roomy.generate(prompts, max_new_tokens=budgets)
+    finished = []  # the finish of each request swapped back in
+    swap_in = small.pool.swap_in
+    monkeypatch.setattr(small.pool, "swap_in", lambda r: finished.append(r.finish) or swap_in(r))
+    out = small.generate(prompts, max_new_tokens=budgets)
+    assert small.stats["preemptions"] > 0 and finished and not any(finished), finished
+    assert [r.token_ids for r in out] == [r.token_ids for r in want]
+    assert [len(r.token_ids) for r in out] == budgets
+    assert len(small.pool.free) == 16 - 1, "pages leaked"
+
+
 def test_sampling_runs_and_is_seeded(tiny_dir):
     llm = make_llm(tiny_dir, 2)
     a = llm.generate(mixed_prompts(3), max_new_tokens=10, temperature=0.9, top_p=0.9, seed=5)
