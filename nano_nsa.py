@@ -1617,10 +1617,8 @@ class LLM:
         if not self.num_draft:
             return
         h = self.model.mtp_forward(tokens[:, 1], h, meta, self.cache)
-        ends = zip(reqs, meta.cu_seqlens[1:], strict=True)
-        done = [
-            (r, end - 1) for r, end in ends if r.num_cached == r.prompt_len - 1
-        ]  # (request, its last row)
+        ends = zip(reqs, meta.cu_seqlens[1:], strict=True)  # (each request, the end of its rows)
+        done = [(r, end - 1) for r, end in ends if r.num_cached == r.prompt_len - 1]  # prompts now prefilled
         if done:
             guess = self.model.mtp[0].logits(h[[row for _, row in done]]).argmax(-1)  # [len(done)]: x_P
             for (r, _), d in zip(done, guess, strict=True):
