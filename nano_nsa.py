@@ -1121,9 +1121,8 @@ def accept(ops, batch: Batch, logits):
         return target, (drafts == target[:, :-1]).cumprod(1).sum(1) + 1
     p = ops.probs_from_logits(logits, batch.temperature[:, None], batch.top_p[:, None])  # [B, k+1, V]
     zero = torch.zeros_like(p[:, :1])
-    q = (
-        zero if batch.q is None else torch.cat([batch.q, zero], 1)
-    )  # [B, k+1, V]: after k acceptances, p itself
+    # [B, k+1, V]: the drafts' distributions, then after k acceptances p itself
+    q = zero if batch.q is None else torch.cat([batch.q, zero], 1)
     positions = start[:, None] + 1 + torch.arange(n, device=start.device)  # of the token each row decides
     px, qx = (d[:, :-1].gather(-1, drafts[..., None])[..., 0] for d in (p, q))  # [B, k]
     u = ops.uniform(batch.seeds[:, None], positions[:, :-1], ACCEPT, 1)[..., 0]
