@@ -208,6 +208,7 @@ class Linear(nn.Module):
     def __init__(self, in_features, out_features, fp8=True, dtype=BF16, n=None, split=None):
         super().__init__()
         self.fp8 = fp8
+        self.split = split  # (checks.weight_bytes counts a split weight's bytes as shared by the ranks)
         self.partial = split == "row"  # output unrounded: rounded after the all-reduce
         if split == "col":
             out_features //= tp_size()
@@ -1225,12 +1226,13 @@ class PagePool:
         req.swapped = [t[:, slots].cpu() for t in self.cache.tensors()]
         self.release(req)
 
-    def swap_in(self, req):
-        """Pages for a swapped-out request with its KV copied back; False (nothing changed) if the pool is
-        short."""
-        if not self.reserve(req, req.swapped[0].shape[1]):
+    def swap_in(self, req, n_positions):
+        """Pages for a swapped-out request's positions [0, n_positions) (at least those it had) with its KV
+        copied back; False (nothing changed) if the pool is short."""
+        saved = req.swapped[0].shape[1]  # slots
+        if not self.reserve(req, max(n_positions, saved)):
             return False
-        slots = self.table([req])[0]
+        slots = self.table([req])[0][:saved]
         for t, saved in zip(self.cache.tensors(), req.swapped, strict=True):
             t[:, slots] = saved.to(self.device)
         req.swapped = None
@@ -1291,10 +1293,10 @@ class Scheduler:
     def admit(self):
         while self.waiting and len(self.running) < self.max_batch:
             req = self.waiting[0]
-            if req.swapped is not None:
-                admitted = self.pool.swap_in(req)
-            else:
-                admitted = self.pool.reserve(req, req.prompt_len + self.num_draft + 1)  # prompt, drafts
+            if req.swapped is not None:  # only with the pages of a round: else preempted again at once
+                admitted = self.pool.swap_in(req, req.num_cached + round_lookahead(self.num_draft))
+            else:  # its prompt and about a first verify's rows (reserve_round adds the rest of a round's)
+                admitted = self.pool.reserve(req, req.prompt_len + self.num_draft + 1)
             if not admitted:
                 return
             self.running.append(self.waiting.pop(0))

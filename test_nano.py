@@ -21,6 +21,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+import checks
 import cli
 import hf_checkpoint as hf
 import nano_nsa as m
@@ -956,12 +957,35 @@ def test_a_request_preempted_in_its_last_round_is_not_swapped_back(tiny_dir, mon
     want = roomy.generate(prompts, max_new_tokens=budgets)
     finished = []  # the finish of each request swapped back in
     swap_in = small.pool.swap_in
-    monkeypatch.setattr(small.pool, "swap_in", lambda r: finished.append(r.finish) or swap_in(r))
+    monkeypatch.setattr(small.pool, "swap_in", lambda r, n: finished.append(r.finish) or swap_in(r, n))
     out = small.generate(prompts, max_new_tokens=budgets)
     assert small.stats["preemptions"] > 0 and finished and not any(finished), finished
     assert [r.token_ids for r in out] == [r.token_ids for r in want]
     assert [len(r.token_ids) for r in out] == budgets
     assert len(small.pool.free) == 16 - 1, "pages leaked"
+
+
+def test_a_preempted_request_comes_back_only_with_the_pages_of_a_round(tiny_dir, monkeypatch):
+    """A preempted request is swapped back in only when the pool has the pages of its next round: never
+    swapped out again at the position it came back at (swapped back with the pages it had and no more, it
+    was preempted again at once, its KV copied to the host and back for nothing, 7 times here). Tokens equal a
+    pool that never preempts."""
+    per_token = m.KVCache.bytes_per_token(m.Config.tiny())
+    prompts = [[7] * 10, [8] * 10]
+    roomy = make_llm(tiny_dir, 1)
+    small = make_llm(tiny_dir, 1, kv_cache_bytes=per_token * 8 * 8, page_size=8)
+    for llm in (roomy, small):
+        monkeypatch.setattr(llm.cfg, "eos_token_id", -1)  # every request ends by length
+    want = roomy.generate(prompts, max_new_tokens=40)
+    swapped_out = []  # (request, its position) at each swap-out
+    swap_out = small.pool.swap_out
+    monkeypatch.setattr(
+        small.pool, "swap_out", lambda r: swapped_out.append((r.idx, r.num_cached)) or swap_out(r)
+    )
+    out = small.generate(prompts, max_new_tokens=40)
+    assert swapped_out and len(set(swapped_out)) == len(swapped_out), swapped_out
+    assert [r.token_ids for r in out] == [r.token_ids for r in want]
+    assert len(small.pool.free) == 8 - 1, "pages leaked"
 
 
 def test_sampling_runs_and_is_seeded(tiny_dir):
@@ -1171,6 +1195,19 @@ def test_bench_refuses_what_does_not_fit_in_one_line():
     assert 1 <= fits < 9 and bench.check_fits(fits, positions, 78 << 30) is None
     assert bench.check_fits(fits + 1, positions, 78 << 30) is not None
     assert bench.check_fits(9, positions, 139 << 30) is None
+
+
+def test_memory_check_counts_each_ranks_share_of_the_split_weights(monkeypatch):
+    """checks.weight_bytes (what loading allocates, whole and split over ranks) against a model built as rank
+    0 of 2 builds it: its parameters' bytes are the whole part plus half the split part (the check's "fits
+    with torchrun --nproc-per-node 2" counts the ranks' shares, not the full split weights)."""
+    cfg = m.Config.full(n_layers=4)
+    whole, split = checks.weight_bytes(cfg, m.Transformer, 1)
+    monkeypatch.setattr(m, "tp_size", lambda: 2)
+    with torch.device("meta"):
+        rank = m.Transformer(cfg)
+    assert sum(p.numel() * p.element_size() for p in rank.parameters()) == whole + split // 2
+    assert split > whole  # the vocabulary, the heads, the experts and MLA's heads
 
 
 def test_cuda_graph_buckets_split_evenly_over_tp_ranks():
