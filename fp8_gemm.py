@@ -305,7 +305,7 @@ def fp8_linear(x, w, scale, partial=False):
 
 
 def swiglu_linear(h, w, scale, partial=False):
-    """Kernel of nano_nsa.swiglu_linear: SwiGLU's activation and act-quant in one kernel, then the GEMM."""
+    """w2's half of nano_nsa.swiglu_mlp: SwiGLU's activation and act-quant in one kernel, then the GEMM."""
     return _quantized_linear(*act_quant(h, swiglu=True), w, scale, partial)
 
 

@@ -1,8 +1,8 @@
 """nano-nsa: DeepSeek-V3.2 inference in one readable file.
 
-Read it top to bottom. Part 1 is the model: Config -> building blocks (the FP8 block format, norms, YaRN
-RoPE, Hadamard) -> forward metadata -> the lightning indexer -> MLA -> MoE -> Block, MTP layer, Transformer,
-KV cache -> the kernel boundary -> tensor parallelism -> the loader. It computes what DeepSeek's official
+Read it top to bottom. Part 1 is the model: Config -> building blocks (the FP8 block format, norms, YaRN RoPE,
+Hadamard) -> forward metadata and the KV cache -> the lightning indexer -> MLA -> MoE -> Block, MTP layer,
+Transformer -> the kernel boundary -> tensor parallelism -> the loader. It computes what DeepSeek's official
 `inference/model.py` computes (../shared/docs/dsv32_spec.md is the specification); where it deliberately
 differs, a comment says why. Part 2 is the engine: chat encoding -> sampling and speculative acceptance ->
 requests -> the KV page pool -> the scheduler -> the speculative round (verify, accept, draft-extend, draft)
@@ -15,7 +15,8 @@ Dimension legend used in shape comments:
   T tokens (rows) in the forward pass   B requests in the batch   N context positions of a request
   H attention heads   D qk_nope_head_dim (128)   R qk_rope_head_dim (64)   V v_head_dim (128)
   C kv_lora_rank (512)   I indexer heads (64)   J index_head_dim (128)   K index_topk (2048)
-  E routed experts   A activated experts per token   S slots in the KV pool   k draft tokens per round
+  E routed experts   A activated experts per token   F moe_inter_dim (2048)   S slots in the KV pool
+  k draft tokens per round
 """
 
 from __future__ import annotations
@@ -364,7 +365,7 @@ def top_indices(x, k):
     return x.sort(dim=-1, descending=True, stable=True).indices[..., :k]
 
 
-# ---- Forward metadata: one Meta per forward pass, shared by every layer; the per-layer cache view ----------
+# ---- Forward metadata: one Meta per forward pass, shared by every layer; the KV cache, a layer's view ------
 def to_device(x: torch.Tensor, device) -> torch.Tensor:
     """Host -> device without waiting: a copy from pageable memory blocks the host until the GPU reaches
     it, so the engine could never run ahead of the GPU. (torch reuses a pinned block only once its copy has
@@ -437,6 +438,34 @@ class LayerCache:
         return act_dequant(self.kv[slots], self.kv_scale[slots]), self.pe[slots]
 
 
+class KVCache:
+    """The KV pool of every layer (main layers, then MTP layers), addressed by slot: `latent` [L, S,
+    row_bytes] uint8 holds MLA's whole row (LayerCache views it), `ik` the FP8 indexer key and `iks` its fp32
+    scale."""
+
+    def __init__(self, cfg: Config, num_slots: int, device="cpu"):
+        L = cfg.n_layers + cfg.n_mtp_layers
+        self.C = cfg.kv_lora_rank
+        self.latent = torch.zeros(L, num_slots, self.row_bytes(cfg), dtype=torch.uint8, device=device)
+        self.ik = torch.zeros(L, num_slots, cfg.index_head_dim, dtype=FP8, device=device)
+        self.iks = torch.zeros(L, num_slots, dtype=torch.float32, device=device)
+
+    @staticmethod
+    def row_bytes(cfg: Config):
+        """Bytes of MLA's cache row: C FP8 values (1 byte each), C/128 fp32 scales (4), R bf16 values (2)."""
+        return cfg.kv_lora_rank + cfg.kv_lora_rank // 32 + 2 * cfg.qk_rope_head_dim
+
+    @staticmethod
+    def bytes_per_token(cfg: Config):
+        return (cfg.n_layers + cfg.n_mtp_layers) * (KVCache.row_bytes(cfg) + cfg.index_head_dim + 4)
+
+    def layer(self, i):
+        return LayerCache(self.latent[i], self.ik[i], self.iks[i], self.C)
+
+    def tensors(self):  # (every layer's: a preempted request's KV moves to host memory and back)
+        return self.latent, self.ik, self.iks
+
+
 # ---- Lightning indexer (DSA): picks the top-K context positions for every query row (spec 3.7) -------------
 def index_quant(x, cos, sin):
     """The indexer's q [T, I, J] or k [T, J] before scoring: RoPE on the FIRST R dims (half-split pairs,
@@ -472,8 +501,7 @@ def topk_positions(scores, ctx_lens, topk):
     # Ties (exact zeros from the ReLU are common) go to the earliest position, whatever the batch shape: the
     # reference's torch.topk breaks them in an implementation-defined order.
     idx = top_indices(scores, min(topk, scores.shape[-1]))
-    everything = n[: idx.shape[-1]].expand_as(idx)
-    idx = torch.where((ctx_lens <= topk)[:, None], everything, idx)
+    idx = torch.where((ctx_lens <= topk)[:, None], n[: idx.shape[-1]], idx)  # (all of it, in order)
     return torch.where(idx < ctx_lens[:, None], idx, -1)
 
 
@@ -539,17 +567,17 @@ def sparse_mla(q_abs, q_pe, cache: LayerCache, selected, meta: Meta, scale):
     """Absorbed ("MQA") sparse attention, one query row per token: the reference of the sparse MLA decode
     kernel. q_abs [T, H, C] (q_nope already multiplied into the latent space), q_pe [T, H, R]; selected [T,
     K] each row's selected context positions (-1 = none; the valid ones first) -> o_lat [T, H, C] fp32."""
-    slots = meta.table[meta.row_req[:, None], selected.clamp(min=0)]
-    slots = torch.where(selected >= 0, slots, -1)  # [T, K] KV-pool slots
+    valid = selected >= 0  # [T, K]; the slots of the others are read (position 0's) and masked
+    slots = meta.table[meta.row_req[:, None], selected.clamp(min=0)]  # [T, K] KV-pool slots
     acc = acc_dtype(q_abs)
     block = max(1, SPARSE_MLA_BLOCK_BYTES // (slots.shape[1] * (q_abs.shape[-1] + q_pe.shape[-1]) * 8))
     out = []
     for first in range(0, len(slots), block):
         rows = slice(first, first + block)
-        kv, pe = cache.latents(slots[rows].clamp(min=0))  # [t, K, C], [t, K, R]
+        kv, pe = cache.latents(slots[rows])  # [t, K, C], [t, K, R]
         kv, pe = kv.to(acc), pe.to(acc)
         scores = q_abs[rows].to(acc) @ kv.transpose(1, 2) + q_pe[rows].to(acc) @ pe.transpose(1, 2)
-        scores = (scores * scale).masked_fill(~(slots[rows] >= 0)[:, None, :], float("-inf"))  # [t, H, K]
+        scores = (scores * scale).masked_fill(~valid[rows, None, :], float("-inf"))  # [t, H, K]
         out.append((scores.softmax(-1) @ kv).float())  # [t, H, C]
     return torch.cat(out)
 
@@ -558,10 +586,10 @@ def dense_attention(q, k, v, scale):
     """Causal per-head attention of a prompt chunk (the reference of the dense prefill kernel): q [L, H, D +
     R] the last L of N positions, k [N, H, D + R], v [N, H, V] -> [L, H, V]; row i sees keys 0 .. N - L +
     i."""
-    S, N = q.shape[0], k.shape[0]
-    scores = torch.einsum("shd,nhd->hsn", q, k) * scale
-    future = torch.arange(N, device=q.device) > torch.arange(S, device=q.device)[:, None] + (N - S)
-    return torch.einsum("hsn,nhv->shv", scores.masked_fill(future, float("-inf")).softmax(-1), v)
+    L, N = q.shape[0], k.shape[0]
+    scores = torch.einsum("lhd,nhd->hln", q, k) * scale
+    future = torch.arange(N, device=q.device) > torch.arange(L, device=q.device)[:, None] + (N - L)
+    return torch.einsum("hln,nhv->lhv", scores.masked_fill(future, float("-inf")).softmax(-1), v)
 
 
 def head_linear(x, w):
@@ -630,7 +658,7 @@ class MLA(nn.Module):
         cfg, T = self.cfg, qr.shape[0]
         D, R = cfg.qk_nope_head_dim, cfg.qk_rope_head_dim
         q_nope, q_pe = self.wq_b(qr).view(T, -1, D + R).split([D, R], -1)
-        if absorbed:  # (before the rope: on a GPU W_UK then ends before the indexer's rank kernel starts)
+        if absorbed:  # (before the rope: on a GPU, W_UK then overlaps more of the indexer)
             q_nope = self.ops.head_linear(q_nope, self.w_uk)  # absorb W_UK: [T, H, C]
         q_pe = self.ops.rope(q_pe, cos, sin, interleaved=True)
         return q_nope, q_pe
@@ -647,7 +675,7 @@ class MLA(nn.Module):
             k_pe = k_pe.to(dtype)[:, None].expand(-1, k_nope.shape[1], -1)  # [N, H, R]: shared by the heads
             k = torch.cat([k_nope, k_pe], -1)
             q = torch.cat([q_nope[rows], q_pe[rows]], -1).to(dtype)
-            out.append(self.ops.dense_attention(q, k, v, self.cfg.softmax_scale))  # [S, H, V]
+            out.append(self.ops.dense_attention(q, k, v, self.cfg.softmax_scale))  # [L, H, V]
         return torch.cat(out)
 
 
@@ -696,14 +724,14 @@ class Gate(nn.Module):
         """-> (routing weights [T, A] fp32, expert indices [T, A])."""
         cfg = self.cfg
         logits = self.ops.dense_linear(x, self.weight)  # [T, E] fp32
-        groups = (cfg.n_expert_groups, cfg.n_limited_groups, cfg.n_activated_experts)
-        return self.ops.route(logits, self.bias, *groups, cfg.route_scale)
+        limits = (cfg.n_expert_groups, cfg.n_limited_groups, cfg.n_activated_experts)  # groups, kept, experts
+        return self.ops.route(logits, self.bias, *limits, cfg.route_scale)
 
 
 def moe_experts(x, weights, idx, experts):
     """The routed experts of a MoE layer (the reference of the grouped MoE kernel): each a SwiGLU MLP over
     the tokens that chose it, summed with their routing weights in fp32. x [T, dim] bf16; weights, idx [T,
-    A]; experts.w1, w3 [E, I, dim], w2 [E, dim, I] FP8 stacks -> [T, dim] fp32. Grouped as the kernel: the
+    A]; experts.w1, w3 [E, F, dim], w2 [E, dim, F] FP8 stacks -> [T, dim] fp32. Grouped as the kernel: the
     (token, choice) pairs sorted by expert, one GEMM per expert over its rows (a row is quantized alike in
     any group: act_quant works per row, so each is quantized once)."""
     T, A = idx.shape
@@ -743,9 +771,9 @@ class MoE(nn.Module):
         self.gate = Gate(cfg)
         E = cfg.n_routed_experts // tp_size()  # this rank's experts (expert parallel), stacked by index
         self.experts = nn.Module()
-        self.experts.w1 = Linear(cfg.dim, cfg.moe_inter_dim, n=E)  # [E, I, dim]
-        self.experts.w3 = Linear(cfg.dim, cfg.moe_inter_dim, n=E)  # [E, I, dim]
-        self.experts.w2 = Linear(cfg.moe_inter_dim, cfg.dim, n=E)  # [E, dim, I]
+        self.experts.w1 = Linear(cfg.dim, cfg.moe_inter_dim, n=E)  # [E, F, dim]
+        self.experts.w3 = Linear(cfg.dim, cfg.moe_inter_dim, n=E)  # [E, F, dim]
+        self.experts.w2 = Linear(cfg.moe_inter_dim, cfg.dim, n=E)  # [E, dim, F]
         self.shared_experts = MLP(cfg.dim, cfg.moe_inter_dim * cfg.n_shared_experts)
 
     def forward(self, x):
@@ -766,7 +794,7 @@ class MoE(nn.Module):
         return self.ops.moe(x, weights, idx, self.experts)
 
 
-# ---- Block, MTP layer, Transformer, KV cache (spec 3.10, 3.11) ---------------------------------------------
+# ---- Block, MTP layer, Transformer (spec 3.10, 3.11) -------------------------------------------------------
 class Block(nn.Module):
     def __init__(self, cfg: Config, moe: bool):
         super().__init__()
@@ -861,34 +889,6 @@ class Transformer(nn.Module):
         return self.mtp[0](next_tokens, h, meta, cache.layer(self.cfg.n_layers))
 
 
-class KVCache:
-    """The KV pool of every layer (main layers, then MTP layers), addressed by slot: `latent` [L, S,
-    row_bytes] uint8 holds MLA's whole row (LayerCache views it), `ik` the FP8 indexer key and `iks` its fp32
-    scale."""
-
-    def __init__(self, cfg: Config, num_slots: int, device="cpu"):
-        L = cfg.n_layers + cfg.n_mtp_layers
-        self.C = cfg.kv_lora_rank
-        self.latent = torch.zeros(L, num_slots, self.row_bytes(cfg), dtype=torch.uint8, device=device)
-        self.ik = torch.zeros(L, num_slots, cfg.index_head_dim, dtype=FP8, device=device)
-        self.iks = torch.zeros(L, num_slots, dtype=torch.float32, device=device)
-
-    @staticmethod
-    def row_bytes(cfg: Config):
-        """Bytes of MLA's cache row: C FP8 values (1 byte each), C/128 fp32 scales (4), R bf16 values (2)."""
-        return cfg.kv_lora_rank + cfg.kv_lora_rank // 32 + 2 * cfg.qk_rope_head_dim
-
-    @staticmethod
-    def bytes_per_token(cfg: Config):
-        return (cfg.n_layers + cfg.n_mtp_layers) * (KVCache.row_bytes(cfg) + cfg.index_head_dim + 4)
-
-    def layer(self, i):
-        return LayerCache(self.latent[i], self.ik[i], self.iks[i], self.C)
-
-    def tensors(self):  # (every layer's: a preempted request's KV moves to host memory and back)
-        return self.latent, self.ik, self.iks
-
-
 # ---- The kernel boundary: the few names through which the GPU path plugs in --------------------------------
 # Layers call these through `self.ops`. Transformer.bind points every layer at one set, once, at load:
 # TORCH_OPS (the readable references above, on any device) or kernels.GPU_OPS (the same names and signatures,
@@ -943,7 +943,7 @@ def select_ops(kernels, device):
     return checks.gpu_ops(kernels, device) or TORCH_OPS
 
 
-# ---- Tensor and expert parallelism (torchrun): each rank holds a shard of the weights ---------------------
+# ---- Tensor and expert parallelism (torchrun): each rank holds a shard of the weights ----------------------
 # Every rank runs the same schedule. Split by rank: MLA heads, dense MLP and shared expert (w1 / w3 rows, w2
 # columns), routed experts (by index range), vocabulary. Replicated: the rest, the indexer and latent KV cache
 # included (every rank selects the same positions). One all-reduce per block half (Block), one all-gather of
@@ -980,7 +980,7 @@ def load_model(path, device="cpu", kernels="auto", cfg=None) -> Transformer:
                     target.copy_(t)
                     hf_checkpoint.check_finite(target, f"{file}: tensor {name}")
                     bar.update(t.numel() * t.element_size())
-    del params  # (kernels.prepare re-points stacked weights: no stale references)
+    del params  # (it would keep the MTP layer's copies of the embedding and head that the next line drops)
     return share_mtp_copies(model).bind(select_ops(kernels, device))
 
 
@@ -1024,11 +1024,6 @@ def encode_chat(messages, thinking=False) -> str:
         else:
             raise ValueError(f"unknown chat role {m['role']!r}")
     return out
-
-
-def load_tokenizer(model_dir, cfg: Config):
-    """tokenizer.json, checked against the model (hf_checkpoint.load_tokenizer)."""
-    return hf_checkpoint.load_tokenizer(model_dir, cfg, SPECIAL_TOKENS, BOS, EOS)
 
 
 # ---- Sampling and speculative acceptance, on the device ----------------------------------------------------
@@ -1153,7 +1148,8 @@ class Request:
     return_logits: bool = False  # keep the main-model logits row of every emitted token in `logits`
     on_tokens: object = None  # called as on_tokens(idx, [token]) for every emitted token
     logits: list = field(default_factory=list)
-    accept_lengths: list = field(default_factory=list)  # tokens emitted by each decode round
+    accept_lengths: list = field(default_factory=list)  # tokens each decode round accepted (emitted, but
+    # for those past EOS or max_new_tokens)
     finish: str = None  # "eos" | "length" once done
 
     @property
@@ -1256,10 +1252,11 @@ class PagePool:
 
 # ---- The scheduler: admission, chunked prefill, preemption -------------------------------------------------
 def round_lookahead(num_draft):
-    """KV positions a decode round may write past a request's num_cached L as the host knows it, with k =
-    num_draft. The host keeps one round in flight (LLM.decode), which moves L by up to k+1 before the host
-    learns it; then verify writes L'..L'+k, accepting moves L' to at most L'+k+1, and the k-1 draft steps
-    write up to L'+2k-1. Reserved: (k+1) + 2k+1 (k = 0: the round in flight and one decode row)."""
+    """Positions a request needs past num_cached L (as the host knows it) for the next decode round, with k =
+    num_draft. The host keeps one round in flight (LLM.decode), which moves L to some L' <= L+k+1 before the
+    host learns it. The next round starts at L': verify writes L'..L'+k, and its k-1 draft steps write up to
+    L'+2k-1 <= L+3k. So positions 0..L+3k, 3k+1 past L; 3k+2, so that k = 0 fits too (the round in flight
+    moves L to L+1, and the next round writes L+1)."""
     return 3 * num_draft + 2
 
 
@@ -1428,10 +1425,11 @@ def graph_buckets(max_bs, rows_per_req, tp=1):
 
 
 class CudaGraphs:
-    """speculative_round as CUDA graphs, one per (batch-size bucket, context bound: the indexer's width is a
-    shape, greedy or sampling: its distributions are work of its own), each captured when a batch first
-    needs it. A replay reads the round's inputs from one set of static buffers and leaves the next round's
-    there; padding rows write the dummy slot 0."""
+    """speculative_round as CUDA graphs, one per batch-size bucket, context bound and kind of batch (greedy or
+    sampling), each captured when a batch first needs it: the context bound is the indexer's width, a shape
+    of the graph, and a sampling round has work of its own (the distributions). A replay reads the round's
+    inputs from one set of static buffers and leaves the next round's there; padding rows write the dummy
+    slot 0."""
 
     def __init__(self, model: Transformer, cache: KVCache, num_draft, max_batch, max_context, page_size):
         self.model, self.cache = model, cache
@@ -1499,7 +1497,7 @@ class LLM:
     (from a CUDA graph where the engine has them), read back once. While the batch stays the same the host
     launches round n+1 from the inputs round n left on the device before it reads round n back, and accepts
     round n while the GPU runs round n+1 (not when round n may end every request: LLM.decode). A request
-    that finishes drafts on for that round, into its own pages."""
+    that finishes in round n still runs in round n+1, already launched, writing only into its own pages."""
 
     def __init__(
         self,
@@ -1524,7 +1522,7 @@ class LLM:
         self.cfg = model.cfg if model else hf_checkpoint.open_checkpoint(model_dir, Config)  # no weights read
         if model is None:  # before any allocation
             checks.check_fits(self.cfg, self.device, Transformer, KVCache.bytes_per_token(self.cfg))
-        self.tokenizer = load_tokenizer(model_dir, self.cfg)
+        self.tokenizer = hf_checkpoint.load_tokenizer(model_dir, self.cfg, SPECIAL_TOKENS, BOS, EOS)
         require(mtp == 0 or self.cfg.n_mtp_layers > 0, f"mtp={mtp}: needs a checkpoint with an MTP layer")
         page_bytes = KVCache.bytes_per_token(self.cfg) * page_size
         checks.check_pool_bytes(kv_cache_bytes, page_bytes, self.device)

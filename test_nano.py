@@ -719,6 +719,9 @@ def test_moe_routing_and_output_match_spec(model, monkeypatch):
 _LLMS = {}
 
 
+TOKENS = (m.SPECIAL_TOKENS, m.BOS, m.EOS)  # what LLM checks tokenizer.json against
+
+
 def make_llm(tiny_dir, mtp, **kw):
     key = (mtp, tuple(sorted(kw.items())))
     if key not in _LLMS:
@@ -2503,10 +2506,12 @@ def test_real_tokenizer_passes_the_checks(tmp_path):
     if not os.path.isfile(real):
         pytest.skip("the DeepSeek-V3.2 tokenizer is not in ../shared")
     os.symlink(real, tmp_path / "tokenizer.json")
-    tok = m.load_tokenizer(str(tmp_path), m.Config.full())
+    tok = hf.load_tokenizer(str(tmp_path), m.Config.full(), *TOKENS)
     assert tok.token_to_id(m.USER) == 128803
     with pytest.raises(ValueError, match="has token id 128814, but the model's vocab_size is 128000"):
-        m.load_tokenizer(str(tmp_path), m.Config(**{**m.Config.full().__dict__, "vocab_size": 128000}))
+        hf.load_tokenizer(
+            str(tmp_path), m.Config(**{**m.Config.full().__dict__, "vocab_size": 128000}), *TOKENS
+        )
 
 
 CONFIG_FAULTS = {  # case: (edit of the HF config dict, or raw file bytes; what the message must say)
@@ -3358,7 +3363,7 @@ def test_train_demo_smoke_runs_every_stage(tmp_path):
     assert r.returncode == 0, r.stderr[-2000:]
     assert "sparse True, fp8 True" in r.stdout  # the last phase ran
     cfg = hf.open_checkpoint(str(tmp_path), m.Config)
-    m.load_tokenizer(str(tmp_path), cfg)
+    hf.load_tokenizer(str(tmp_path), cfg, *TOKENS)
     with open(tmp_path / "eval.json") as f:
         ev = json.load(f)
     assert (
