@@ -439,12 +439,12 @@ class LayerCache:
 
 
 class KVCache:
-    """The KV pool of every layer (main layers, then MTP layers), addressed by slot: `latent` [L, S,
-    row_bytes] uint8 holds MLA's whole row (LayerCache views it), `ik` the FP8 indexer key and `iks` its fp32
-    scale."""
+    """The KV pool of every layer (main layers, then MTP layers; mtp False: an engine that does not draft
+    keeps none of theirs), addressed by slot: `latent` [L, S, row_bytes] uint8 holds MLA's whole row
+    (LayerCache views it), `ik` the FP8 indexer key and `iks` its fp32 scale."""
 
-    def __init__(self, cfg: Config, num_slots: int, device="cpu"):
-        L = cfg.n_layers + cfg.n_mtp_layers
+    def __init__(self, cfg: Config, num_slots: int, device="cpu", mtp=True):
+        L = cfg.n_layers + cfg.n_mtp_layers * mtp
         self.C = cfg.kv_lora_rank
         self.latent = torch.zeros(L, num_slots, self.row_bytes(cfg), dtype=torch.uint8, device=device)
         self.ik = torch.zeros(L, num_slots, cfg.index_head_dim, dtype=FP8, device=device)
@@ -456,8 +456,8 @@ class KVCache:
         return cfg.kv_lora_rank + cfg.kv_lora_rank // 32 + 2 * cfg.qk_rope_head_dim
 
     @staticmethod
-    def bytes_per_token(cfg: Config):
-        return (cfg.n_layers + cfg.n_mtp_layers) * (KVCache.row_bytes(cfg) + cfg.index_head_dim + 4)
+    def bytes_per_token(cfg: Config, mtp=True):
+        return (cfg.n_layers + cfg.n_mtp_layers * mtp) * (KVCache.row_bytes(cfg) + cfg.index_head_dim + 4)
 
     def layer(self, i):
         return LayerCache(self.latent[i], self.ik[i], self.iks[i], self.C)
@@ -1524,7 +1524,7 @@ class LLM:
             checks.check_fits(self.cfg, self.device, Transformer, KVCache.bytes_per_token(self.cfg))
         self.tokenizer = hf_checkpoint.load_tokenizer(model_dir, self.cfg, SPECIAL_TOKENS, BOS, EOS)
         require(mtp == 0 or self.cfg.n_mtp_layers > 0, f"mtp={mtp}: needs a checkpoint with an MTP layer")
-        page_bytes = KVCache.bytes_per_token(self.cfg) * page_size
+        page_bytes = KVCache.bytes_per_token(self.cfg, mtp > 0) * page_size
         checks.check_pool_bytes(kv_cache_bytes, page_bytes, self.device)
         self.model = model or load_model(model_dir, self.device, kernels, self.cfg)
         self.num_draft = mtp
@@ -1532,7 +1532,7 @@ class LLM:
         pool_bytes = checks.pool_bytes(kv_cache_bytes, self.device)  # (its default: after the weights)
         pages = torch.tensor([pool_bytes // page_bytes], device=self.device)
         num_pages = int(all_reduce(pages, dist.ReduceOp.MIN))  # the smallest over ranks: one schedule for all
-        self.cache = KVCache(self.cfg, num_pages * page_size, self.device)
+        self.cache = KVCache(self.cfg, num_pages * page_size, self.device, mtp > 0)
         self.pool = PagePool(self.cache, page_size)
         self.scheduler = Scheduler(self.pool, max_batch, max_prefill_tokens, mtp, self.cfg.index_topk)
         self.graphs = None  # the torch references sync the host: no graphs for them

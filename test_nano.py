@@ -991,6 +991,20 @@ def test_a_preempted_request_comes_back_only_with_the_pages_of_a_round(tiny_dir,
     assert len(small.pool.free) == 8 - 1, "pages leaked"
 
 
+def test_an_engine_that_does_not_draft_keeps_no_mtp_kv(tiny_dir):
+    """--mtp 0 never runs the MTP layer: its pool holds the main layers' KV only, so the same bytes hold more
+    tokens (n_layers + 1 layers' worth over n_layers'), and its tokens are --mtp 1's."""
+    cfg, per_token = m.Config.tiny(), m.KVCache.bytes_per_token(m.Config.tiny())
+    plain = make_llm(tiny_dir, 0, kv_cache_bytes=per_token * 8 * 48, page_size=8)
+    drafting = make_llm(tiny_dir, 1, kv_cache_bytes=per_token * 8 * 48, page_size=8)
+    assert plain.cache.latent.shape[0] == cfg.n_layers == drafting.cache.latent.shape[0] - 1
+    pages = [llm.cache.latent.shape[1] // 8 for llm in (plain, drafting)]
+    assert pages == [48 * (cfg.n_layers + 1) // cfg.n_layers, 48]
+    prompts = mixed_prompts(3)
+    got, want = (llm.generate(prompts, max_new_tokens=8) for llm in (plain, drafting))
+    assert [r.token_ids for r in got] == [r.token_ids for r in want]
+
+
 def test_sampling_runs_and_is_seeded(tiny_dir):
     llm = make_llm(tiny_dir, 2)
     a = llm.generate(mixed_prompts(3), max_new_tokens=10, temperature=0.9, top_p=0.9, seed=5)
