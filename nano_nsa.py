@@ -1225,10 +1225,10 @@ class PagePool:
     def swap_in(self, req, n_positions):
         """Pages for a swapped-out request's positions [0, n_positions) (at least those it had) with its KV
         copied back; False (nothing changed) if the pool is short."""
-        saved = req.swapped[0].shape[1]  # slots
-        if not self.reserve(req, max(n_positions, saved)):
+        had = req.swapped[0].shape[1]  # the slots it had
+        if not self.reserve(req, max(n_positions, had)):
             return False
-        slots = self.table([req])[0][:saved]
+        slots = self.table([req])[0][:had]
         for t, saved in zip(self.cache.tensors(), req.swapped, strict=True):
             t[:, slots] = saved.to(self.device)
         req.swapped = None
