@@ -1520,11 +1520,12 @@ class LLM:
         self.device = init_distributed(checks.check_device(device))  # torchrun: join the ranks, take a GPU
         model_dir = model_dir or hf_checkpoint.default_model_dir()
         self.cfg = model.cfg if model else hf_checkpoint.open_checkpoint(model_dir, Config)  # no weights read
-        if model is None:  # before any allocation
-            checks.check_fits(self.cfg, self.device, Transformer, KVCache.bytes_per_token(self.cfg))
-        self.tokenizer = hf_checkpoint.load_tokenizer(model_dir, self.cfg, SPECIAL_TOKENS, BOS, EOS)
         require(mtp == 0 or self.cfg.n_mtp_layers > 0, f"mtp={mtp}: needs a checkpoint with an MTP layer")
-        page_bytes = KVCache.bytes_per_token(self.cfg, mtp > 0) * page_size
+        kv_bytes = KVCache.bytes_per_token(self.cfg, mtp > 0)  # a token's KV in every layer that keeps it
+        if model is None:  # before any allocation
+            checks.check_fits(self.cfg, self.device, Transformer, kv_bytes)
+        self.tokenizer = hf_checkpoint.load_tokenizer(model_dir, self.cfg, SPECIAL_TOKENS, BOS, EOS)
+        page_bytes = kv_bytes * page_size
         checks.check_pool_bytes(kv_cache_bytes, page_bytes, self.device)
         self.model = model or load_model(model_dir, self.device, kernels, self.cfg)
         self.num_draft = mtp

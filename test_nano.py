@@ -991,10 +991,16 @@ def test_a_preempted_request_comes_back_only_with_the_pages_of_a_round(tiny_dir,
     assert len(small.pool.free) == 8 - 1, "pages leaked"
 
 
-def test_an_engine_that_does_not_draft_keeps_no_mtp_kv(tiny_dir):
+def test_an_engine_that_does_not_draft_keeps_no_mtp_kv(tiny_dir, monkeypatch):
     """--mtp 0 never runs the MTP layer: its pool holds the main layers' KV only, so the same bytes hold more
-    tokens (n_layers + 1 layers' worth over n_layers'), and its tokens are --mtp 1's."""
+    tokens (n_layers + 1 layers' worth over n_layers'; the memory check sizes its minimal pool so too), and
+    its tokens are --mtp 1's."""
     cfg, per_token = m.Config.tiny(), m.KVCache.bytes_per_token(m.Config.tiny())
+    checked = []  # the KV bytes per token each engine's memory check counts
+    monkeypatch.setattr(m.checks, "check_fits", lambda cfg, device, model_class, kv: checked.append(kv))
+    for mtp in (0, 1):
+        m.LLM(tiny_dir, device="cpu", mtp=mtp, kv_cache_bytes=per_token * 8 * 4, page_size=8)
+    assert checked == [per_token * cfg.n_layers // (cfg.n_layers + 1), per_token]
     plain = make_llm(tiny_dir, 0, kv_cache_bytes=per_token * 8 * 48, page_size=8)
     drafting = make_llm(tiny_dir, 1, kv_cache_bytes=per_token * 8 * 48, page_size=8)
     assert plain.cache.latent.shape[0] == cfg.n_layers == drafting.cache.latent.shape[0] - 1
@@ -1003,6 +1009,20 @@ def test_an_engine_that_does_not_draft_keeps_no_mtp_kv(tiny_dir):
     prompts = mixed_prompts(3)
     got, want = (llm.generate(prompts, max_new_tokens=8) for llm in (plain, drafting))
     assert [r.token_ids for r in got] == [r.token_ids for r in want]
+
+
+def test_a_checkpoint_without_an_mtp_layer_runs_without_drafts_only(tmp_path, monkeypatch):
+    """A checkpoint with no MTP layer (num_nextn_predict_layers 0) refuses --mtp > 0 in one line before any
+    weight is read, and generates at --mtp 0."""
+    save_random_checkpoint(str(tmp_path), m.Config.tiny(n_mtp_layers=0), seed=4)
+    with (
+        monkeypatch.context() as patch,
+        pytest.raises(ValueError, match="mtp=2: needs a checkpoint with an MTP"),
+    ):
+        patch.setattr(m, "load_model", lambda *a: pytest.fail("weights read before the check"))
+        m.LLM(str(tmp_path), device="cpu", mtp=2)
+    out = m.LLM(str(tmp_path), device="cpu", mtp=0).generate([[0, 7, 9]], max_new_tokens=3)
+    assert len(out[0].token_ids) == 3 or out[0].finish_reason == "eos"
 
 
 def test_sampling_runs_and_is_seeded(tiny_dir):
