@@ -962,6 +962,7 @@ def load_model(path, device="cpu", kernels="auto", cfg=None) -> Transformer:
     from tqdm import tqdm
 
     cfg = cfg or hf_checkpoint.open_checkpoint(path, Config)
+    ops = select_ops(kernels, device)  # (kernels that cannot run here: refused before any weight is read)
     with torch.device(device):  # parameters made empty (torch.empty), where they will live
         model = Transformer(cfg).eval()
     params = dict(model.named_parameters())
@@ -981,7 +982,7 @@ def load_model(path, device="cpu", kernels="auto", cfg=None) -> Transformer:
                     hf_checkpoint.check_finite(target, f"{file}: tensor {name}")
                     bar.update(t.numel() * t.element_size())
     del params  # (it would keep the MTP layer's copies of the embedding and head that the next line drops)
-    return share_mtp_copies(model).bind(select_ops(kernels, device))
+    return share_mtp_copies(model).bind(ops)
 
 
 def share_mtp_copies(model):

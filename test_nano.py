@@ -1034,6 +1034,11 @@ def test_sampling_runs_and_is_seeded(tiny_dir):
     assert all(len(r.token_ids) == 10 or r.finish_reason == "eos" for r in a)
 
 
+def test_chat_encoding_refuses_an_unknown_role():
+    with pytest.raises(ValueError, match="^unknown chat role 'tool'$"):
+        m.encode_chat([{"role": "user", "content": "hi"}, {"role": "tool", "content": "42"}])
+
+
 @pytest.mark.skipif(
     not os.path.isfile(os.path.join(SHARED, "data", "deepseek-v3.2", "tokenizer.json")),
     reason="../shared/data/deepseek-v3.2 not present",
@@ -1128,6 +1133,7 @@ def test_cli_end_to_end(tiny_dir, tmp_path):
         "unknown_option",
         "no_cuda",
         "bad_device",
+        "no_prompt",
     ],
 )
 def test_cli_bad_input_is_one_clear_line(tiny_dir, tmp_path, case, capsys):
@@ -1149,6 +1155,7 @@ def test_cli_bad_input_is_one_clear_line(tiny_dir, tmp_path, case, capsys):
         "unknown_option": (base + ["--bogus"], "unrecognized arguments: --bogus"),
         "no_cuda": (base + ["--device", "cuda"], "CUDA is not available"),
         "bad_device": (base + ["--device", "tpu9"], "unknown device"),
+        "no_prompt": (base[:2], "give at least one --prompt or a --prompt-file"),
     }[case]
     if case == "no_cuda" and torch.cuda.is_available():
         pytest.skip("this machine has CUDA")
@@ -1289,6 +1296,21 @@ def test_verify_and_draft_extend_use_the_decode_path(tiny_dir, monkeypatch):
 # GPU (skipped without CUDA; run on the GPU machine)
 # ------------------------------------------------------------------------------------------------------------
 gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+
+@gpu
+def test_gpu_device_and_kernel_refusals_are_one_line(monkeypatch):
+    """A CUDA device index this machine lacks, and kernels='gpu' where kernels.py cannot run (its reason
+    forced here): one line each; kernels='auto' falls back to the references."""
+    import kernels
+
+    n = torch.cuda.device_count()
+    with pytest.raises(ValueError, match=f"^device 'cuda:{n}': this machine has {n} CUDA devices$"):
+        checks.check_device(f"cuda:{n}")
+    monkeypatch.setattr(kernels, "unsupported", lambda device: "a reason (forced)")
+    with pytest.raises(ValueError, match=r"^the GPU kernels cannot run here: a reason \(forced\)$"):
+        checks.gpu_ops("gpu", "cuda")
+    assert checks.gpu_ops("auto", "cuda") is None and checks.gpu_ops("torch", "cuda") is None
 
 
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=gpu)])
@@ -2584,7 +2606,48 @@ CONFIG_FAULTS = {  # case: (edit of the HF config dict, or raw file bytes; what 
         "quantization_config and rope_scaling must be JSON objects",
     ),
     "architectures_int": (dict(model_type=None, architectures=5), "is not a DeepSeek-V3.2 config"),
+    "softmax_router": (
+        dict(scoring_func="softmax"),
+        "scoring_func='softmax' is not supported (DeepSeek-V3.2 uses 'sigmoid')",
+    ),
+    "tied_embeddings": (
+        dict(tie_word_embeddings=True),
+        "tie_word_embeddings=True is not supported (DeepSeek-V3.2 uses False)",
+    ),
+    "fp8_e5m2": (
+        dict(quantization_config=dict(quant_method="fp8", fmt="e5m2", weight_block_size=[128, 128])),
+        "expected quantization_config fp8 e4m3 with weight_block_size [128, 128]",
+    ),
+    "blocks_64": (
+        dict(quantization_config=dict(quant_method="fp8", weight_block_size=[64, 64])),
+        "expected quantization_config fp8 e4m3 with weight_block_size [128, 128]",
+    ),
+    "rope_linear": (
+        dict(rope_scaling=dict(type="linear", factor=40.0)),
+        "expected rope_scaling of type yarn",
+    ),
 }
+
+
+def test_missing_model_files_are_one_clear_line(tiny_dir, tmp_path, monkeypatch):
+    """No config.json, a config.json that cannot be read, no weights, no demo checkpoint: one line each."""
+    with pytest.raises(ValueError, match=f"^no config.json at {tmp_path}/config.json$"):
+        m.Config.from_json(str(tmp_path))
+    (tmp_path / "config.json").mkdir()  # (a path that exists, but not a file that opens)
+    with pytest.raises(ValueError, match=f"^{tmp_path}/config.json: cannot read \\(.*Is a directory"):
+        hf.read_json(str(tmp_path / "config.json"))
+    weightless = tmp_path / "weightless"
+    weightless.mkdir()
+    shutil.copy(os.path.join(tiny_dir, "config.json"), weightless)
+    with pytest.raises(ValueError) as e:
+        m.LLM(str(weightless), device="cpu")
+    assert (
+        str(e.value)
+        == f"{weightless}: no model.safetensors.index.json or model.safetensors (safetensors only)"
+    )
+    monkeypatch.setattr(hf, "DEMO_DIR", str(tmp_path / "demo"))
+    with pytest.raises(ValueError, match="^no --model given, and the demo checkpoint is missing from "):
+        m.LLM(device="cpu")
 
 
 @pytest.mark.parametrize("case", list(CONFIG_FAULTS))
@@ -2685,6 +2748,8 @@ LLM_FAULTS = {  # case: (LLM arguments, the message)
     "device_list": (dict(device=["cpu"]), "unknown device ['cpu']"),
     "model_dir_int": (dict(model_dir=5), "model directory 5 does not exist"),
     "model_dir_file": ("file", "does not exist (or is not a directory)"),
+    "kernels_word": (dict(kernels="fast"), "kernels must be 'auto', 'torch' or 'gpu' (got 'fast')"),
+    "kernels_gpu_on_cpu": (dict(kernels="gpu"), "kernels='gpu' needs a CUDA device (got cpu)"),
 }
 
 
@@ -2694,9 +2759,7 @@ def test_bad_llm_arguments_are_refused_before_loading(tiny_dir, tmp_path, case, 
     if kw == "file":
         (tmp_path / "f").write_text("")
         kw = dict(model_dir=str(tmp_path / "f"))
-    monkeypatch.setattr(
-        m, "load_model", lambda *a, **k: pytest.fail("weights loaded before the argument check")
-    )
+    monkeypatch.setattr(hf, "load_target", lambda *a: pytest.fail("a weight read before the argument check"))
     with pytest.raises(ValueError) as e:
         m.LLM(**{"model_dir": tiny_dir, "device": "cpu", **kw})
     assert message in str(e.value) and "\n" not in str(e.value), str(e.value)
