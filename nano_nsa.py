@@ -315,8 +315,10 @@ def yarn_frequencies(cfg: Config):
     low = max(math.floor(dim_of(cfg.beta_fast)), 0)
     high = min(math.ceil(dim_of(cfg.beta_slow)), d - 1)
     width = high - low if high > low else 0.001
-    ramp = ((torch.arange(d // 2, dtype=torch.float32) - low) / width).clamp(0, 1)
-    return freqs / cfg.rope_factor * ramp + freqs * (1 - ramp)
+    smooth = 1 - ((torch.arange(d // 2, dtype=torch.float32) - low) / width).clamp(0, 1)  # 1 - the ramp
+    return (
+        freqs / cfg.rope_factor * (1 - smooth) + freqs * smooth
+    )  # (the reference's fp32 steps: bit for bit)
 
 
 def rope_cos_sin(cfg: Config, positions: torch.Tensor):

@@ -67,8 +67,8 @@ def sylvester(n):
     return h
 
 
-def rope_ref(x, pos, cfg, interleaved):
-    """RoPE through complex multiplication, as the reference `apply_rotary_emb` (x [S, ..., R])."""
+def yarn_ref(cfg):
+    """The YaRN frequencies f'_i, in the fp32 steps of the reference `precompute_freqs_cis` (spec 3.5)."""
     d = cfg.qk_rope_head_dim
     f = 1.0 / (cfg.rope_theta ** (torch.arange(0, d, 2, dtype=torch.float32) / d))
 
@@ -77,8 +77,13 @@ def rope_ref(x, pos, cfg, interleaved):
 
     lo, hi = max(math.floor(corr(cfg.beta_fast)), 0), min(math.ceil(corr(cfg.beta_slow)), d - 1)
     smooth = 1 - ((torch.arange(d // 2, dtype=torch.float32) - lo) / (hi - lo)).clamp(0, 1)
-    f = f / cfg.rope_factor * (1 - smooth) + f * smooth
-    cis = torch.polar(torch.ones(len(pos), d // 2), torch.outer(pos.float(), f))
+    return f / cfg.rope_factor * (1 - smooth) + f * smooth
+
+
+def rope_ref(x, pos, cfg, interleaved):
+    """RoPE through complex multiplication, as the reference `apply_rotary_emb` (x [S, ..., R])."""
+    d = cfg.qk_rope_head_dim
+    cis = torch.polar(torch.ones(len(pos), d // 2), torch.outer(pos.float(), yarn_ref(cfg)))
     shape = x.shape
     xf = x.float()
     if not interleaved:
@@ -400,6 +405,11 @@ def test_hadamard_and_rope_match_references():
         got, want = m.rope(y, cos, sin, interleaved=inter), rope_ref(y, pos, cfg, interleaved=inter)
         assert (got.float() - want.float()).abs().max() <= 2**-7 * want.float().abs().max()
     assert not torch.equal(m.rope(y, cos, sin, True), m.rope(y, cos, sin, False))
+    # the angles bit for bit (1 - (1 - ramp) is not always the ramp in fp32: the 671B model's f'_12 differed)
+    for cfg in (m.Config.full(), m.Config.tiny(beta_fast=24.0, rope_factor=8.0)):
+        assert torch.equal(m.yarn_frequencies(cfg), yarn_ref(cfg))
+        theta = torch.outer(torch.arange(20000, dtype=torch.float32), yarn_ref(cfg))
+        assert torch.equal(m.rope_cos_sin(cfg, torch.arange(20000))[0], theta.cos())
 
 
 # ------------------------------------------------------------------------------------------------------------
