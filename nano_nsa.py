@@ -1326,9 +1326,9 @@ class Scheduler:
         lookahead = round_lookahead(self.num_draft)
         for r in list(self.running):
             while r in self.running and not self.pool.reserve(r, r.num_cached + lookahead):
-                newest = self.running.pop()  # preempted: its KV to host memory, to the front of the queue
-                self.pool.swap_out(newest)
-                self.waiting.insert(0, newest)
+                newest = self.running[-1]  # preempted: its KV to host memory, to the front of the queue
+                self.pool.swap_out(newest)  # (then moved: drop_all finds it, whenever a Ctrl-C comes)
+                self.waiting.insert(0, self.running.pop())
                 self.preemptions += 1
         return list(self.running)
 
@@ -1341,8 +1341,9 @@ class Scheduler:
             r.swapped = None
 
     def drop_all(self):
-        """Forget every request (a generate that was interrupted): the running ones give their pages back."""
-        for r in self.running:
+        """Forget every request (a generate that was interrupted), giving their pages back (a waiting one has
+        pages while it is being swapped in)."""
+        for r in self.running + self.waiting:
             self.pool.release(r)
         self.running = []
         self.waiting = []

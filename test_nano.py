@@ -806,6 +806,35 @@ def test_interrupted_generate_leaves_the_engine_clean(tiny_dir):
     assert [r.token_ids for r in again] == [r.token_ids for r in want]
 
 
+@pytest.mark.parametrize("where", ["swap_out", "swap_in"])
+def test_a_generate_interrupted_in_a_kv_swap_leaks_no_page(tiny_dir, where, monkeypatch):
+    """Ctrl-C while a preempted request's KV is copied to host memory or back (the longest host work of a
+    step): every page comes back to the pool (they leaked: the request was in no queue while swapped out, or
+    held pages in the waiting queue while swapped in), and the next generate gives a fresh engine's tokens."""
+    per_token = m.KVCache.bytes_per_token(m.Config.tiny())
+    llm = m.LLM(tiny_dir, device="cpu", mtp=2, kv_cache_bytes=per_token * 168, page_size=8)
+    prompts, free = mixed_prompts(6, seed=14), llm.pool.free_slots
+    want = llm.generate(prompts, max_new_tokens=16)
+    assert llm.stats["preemptions"] > 0
+    swap = getattr(llm.pool, where)
+
+    def ctrl_c():
+        raise KeyboardInterrupt
+
+    def interrupted(req, *args):  # the copy of the KV raises, as a Ctrl-C in it would
+        with monkeypatch.context() as patch:
+            patch.setattr(llm.cache, "tensors", ctrl_c)
+            return swap(req, *args)
+
+    monkeypatch.setattr(llm.pool, where, interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        llm.generate(prompts, max_new_tokens=16)
+    assert not (llm.scheduler.waiting or llm.scheduler.running)
+    assert llm.pool.free_slots == free, f"{(free - llm.pool.free_slots) // 8} pages leaked"
+    monkeypatch.setattr(llm.pool, where, swap)
+    assert [r.token_ids for r in llm.generate(prompts, max_new_tokens=16)] == [r.token_ids for r in want]
+
+
 @pytest.mark.parametrize("mtp", [1, 2, 3])
 def test_speculative_greedy_equals_plain_greedy(tiny_dir, monkeypatch, mtp):
     prompts = mixed_prompts(8)
