@@ -199,6 +199,7 @@ def check_generate_args(prompts, args, on_tokens):
     require(
         is_list, f"prompts must be a string, a list of token ids, or a list of those (got {prompts!r:.80})"
     )
+    check_texts(prompts)
     for name, rule in SAMPLING.items():
         values = [args[name]]
         if name in ("max_new_tokens", "seed"):  # one value, or one per prompt
@@ -212,6 +213,17 @@ def check_generate_args(prompts, args, on_tokens):
     return list(prompts)
 
 
+def check_texts(prompts):
+    """Text prompts the tokenizer can take: no lone surrogate (what Python makes of the bytes of a command
+    line argument that are not UTF-8)."""
+    for i, p in enumerate(prompts):
+        if isinstance(p, str):
+            bad = next((j for j, c in enumerate(p) if "\ud800" <= c <= "\udfff"), None)
+            require(
+                bad is None, f"prompt {i} is not valid Unicode text (a lone surrogate at character {bad})"
+            )
+
+
 def prompt_seeds(seed, n, device):
     """generate's seed as one per prompt, in [0, 2^63): a list as given; one seed s: s + i for prompt i; None:
     a fresh one, the same on every rank."""
@@ -220,8 +232,8 @@ def prompt_seeds(seed, n, device):
         if dist.is_initialized() and dist.get_world_size() > 1:  # (as parallel.all_reduce)
             dist.all_reduce(fresh, dist.ReduceOp.MAX)
         seed = int(fresh)
-    seeds = seed if isinstance(seed, (list, tuple)) else [seed + i for i in range(n)]
-    return [s % 2**63 for s in seeds]
+    seeds = seed if isinstance(seed, (list, tuple)) else [int(seed) + i for i in range(n)]
+    return [int(s) % 2**63 for s in seeds]  # (int: numpy integers pass the check, and would overflow here)
 
 
 def check_prompt(i, ids, max_new, vocab_size, max_context, capacity, lookahead):

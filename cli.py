@@ -8,7 +8,7 @@ import sys
 
 import torch.distributed as dist
 
-from checks import SAMPLING, check_arg, require
+from checks import SAMPLING, check_arg, check_texts, require
 
 
 def parse(argv):
@@ -42,11 +42,12 @@ def read_prompts(args):
     prompts = list(args.prompt)
     if args.prompt_file:
         try:
-            with open(args.prompt_file, encoding="utf-8") as f:
+            with open(args.prompt_file, encoding="utf-8-sig") as f:  # (a byte-order mark is not text)
                 prompts += [line.rstrip("\n") for line in f if line.strip()]
         except UnicodeDecodeError as e:
             raise ValueError(f"{args.prompt_file}: not UTF-8 text ({e.reason} at byte {e.start})") from None
     require(prompts, "give at least one --prompt or a --prompt-file")
+    check_texts(prompts)
     for name, rule in SAMPLING.items():
         check_arg(name, getattr(args, name), *rule)
     return prompts

@@ -59,7 +59,7 @@ def read_json(path):
             obj = json.load(f)
     except OSError as e:
         raise ValueError(f"{path}: cannot read ({e})") from None
-    except ValueError as e:  # bad JSON or not UTF-8
+    except (ValueError, RecursionError) as e:  # bad JSON, not UTF-8, or nested deeper than Python recurses
         raise ValueError(f"{path}: not valid JSON ({e})") from None
     require(isinstance(obj, dict), f"{path}: expected a JSON object, not {type(obj).__name__}")
     return obj
@@ -73,7 +73,8 @@ def config_fields(path, names):
     require(os.path.isfile(path), f"no config.json at {path}")
     hf = read_json(path)
     check_hf(path, hf)
-    kw = {HF_NAMES.get(k, k): v for k, v in hf.items() if HF_NAMES.get(k, k) in names}
+    renamed = {*HF_NAMES.values(), *ROPE_NAMES.values()}  # fields config.json names otherwise, or nests
+    kw = {HF_NAMES.get(k, k): v for k, v in hf.items() if HF_NAMES.get(k, k) in names and k not in renamed}
     rope = hf.get("rope_scaling") or {}
     kw.update({ours: rope[k] for k, ours in ROPE_NAMES.items() if k in rope})
     return path, kw
@@ -164,6 +165,7 @@ def shape_rules(cfg):
             "qk_rope_head_dim must be even and at most index_head_dim",
         ),
         (cfg.max_seq_len > cfg.original_seq_len, "max_seq_len must exceed original_seq_len"),
+        (cfg.rope_factor >= 1, f"{label('rope_factor')} must be >= 1 (YaRN stretches the context)"),
         (max(cfg.bos_token_id, cfg.eos_token_id) < cfg.vocab_size, "bos/eos_token_id >= vocab_size"),
     ]
     for name in ("dim", "q_lora_rank", "kv_lora_rank", "inter_dim", "moe_inter_dim"):
@@ -432,6 +434,8 @@ def load_tokenizer(model_dir, cfg, special_tokens, bos, eos):
         tok = Tokenizer.from_file(file)
     except Exception as e:  # the tokenizers library raises a bare Exception
         raise ValueError(f"{file}: not a valid tokenizer ({' '.join(str(e).split())})") from None
+    cuts = tok.truncation or tok.padding
+    require(not cuts, f"{file}: truncation and padding must be off (they would cut or pad every prompt)")
     top = max(tok.get_vocab(with_added_tokens=True).values(), default=-1)
     require(
         top < cfg.vocab_size, f"{file}: has token id {top}, but the model's vocab_size is {cfg.vocab_size}"

@@ -1522,7 +1522,7 @@ class LLM:
         loaded from model_dir. Arguments and model files are checked before any weight is read."""
         checks.check_engine_args(locals())
         self.device = init_distributed(checks.check_device(device))  # torchrun: join the ranks, take a GPU
-        model_dir = model_dir or hf_checkpoint.default_model_dir()
+        model_dir = hf_checkpoint.default_model_dir() if model_dir is None else model_dir
         self.cfg = model.cfg if model else hf_checkpoint.open_checkpoint(model_dir, Config)  # no weights read
         require(mtp == 0 or self.cfg.n_mtp_layers > 0, f"mtp={mtp}: needs a checkpoint with an MTP layer")
         kv_bytes = KVCache.bytes_per_token(self.cfg, mtp > 0)  # a token's KV in every layer that keeps it
@@ -1707,6 +1707,7 @@ class LLM:
         long (checks.check_prompt)."""
         if temperature > 0:
             temperature = max(temperature, 1e-5)  # as the reference: no overflow in logits / T
+        top_p = max(top_p, 1e-30)  # (above 0 in fp32: the nucleus always holds the most likely token)
         seeds = checks.prompt_seeds(seed, len(prompts), self.device)
         budgets = checks.per_prompt("max_new_tokens", max_new_tokens, len(prompts))
         room = (self.cfg.vocab_size, self.max_context, self.pool.free_slots, round_lookahead(self.num_draft))

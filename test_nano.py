@@ -167,6 +167,14 @@ def test_config_json_round_trip(tmp_path):
     assert abs(m.Config.full().softmax_scale - 0.1352337788608801) < 1e-12
 
 
+def test_config_json_reads_only_its_own_names(tmp_path):
+    """Keys spelled as this engine's names of renamed or nested fields (eps, not rms_norm_eps; mscale outside
+    rope_scaling) are not config.json's: they change nothing (they used to override the real fields)."""
+    hf = hf_config(m.Config.tiny()) | dict(eps=0.5, max_seq_len=5000, route_scale=1.0, mscale=3.0, dim=128)
+    (tmp_path / "config.json").write_text(json.dumps(hf))
+    assert m.Config.from_json(str(tmp_path)) == m.Config.tiny()
+
+
 def test_config_rejects_other_models(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama", "hidden_size": 4096}))
     with pytest.raises(ValueError, match="not a DeepSeek-V3.2 config"):
@@ -2555,6 +2563,7 @@ def test_damaged_shard_is_one_clear_line(tiny_dir, tmp_path, fault, capsys):
 
 
 TOKENIZER_FAULTS = ["missing", "not_json", "not_a_tokenizer", "ids_beyond_vocab", "missing_special", "eos_id"]
+TOKENIZER_FAULTS += ["truncation", "padding"]  # (they would cut or pad every prompt, silently)
 
 
 @pytest.mark.parametrize("fault", TOKENIZER_FAULTS)
@@ -2582,6 +2591,17 @@ def test_damaged_tokenizer_is_one_clear_line(tiny_dir, tmp_path, fault, capsys, 
         doc["added_tokens"] = [t for t in doc["added_tokens"] if t["content"] != m.USER]
         open(tok, "w").write(json.dumps(doc))
         expect += [f"the special token {m.USER} is missing"]
+    elif fault in ("truncation", "padding"):
+        doc = json.load(open(tok))
+        doc["truncation"] = dict(direction="Right", max_length=3, strategy="LongestFirst", stride=0)
+        if fault == "padding":
+            doc["truncation"] = None
+            doc["padding"] = dict(
+                strategy="BatchLongest", direction="Right", pad_to_multiple_of=64, pad_id=1, pad_type_id=0
+            )
+            doc["padding"]["pad_token"] = m.EOS
+        open(tok, "w").write(json.dumps(doc))
+        expect += ["truncation and padding must be off (they would cut or pad every prompt)"]
     else:
         cfg = json.load(open(os.path.join(bad, "config.json")))
         cfg["eos_token_id"] = 2
@@ -2645,6 +2665,14 @@ CONFIG_FAULTS = {  # case: (edit of the HF config dict, or raw file bytes; what 
         "quantization_config and rope_scaling must be JSON objects",
     ),
     "architectures_int": (dict(model_type=None, architectures=5), "is not a DeepSeek-V3.2 config"),
+    "deeply_nested": (
+        b'{"model_type": "deepseek_v32", "x": ' + b"[" * 10**5 + b"]" * 10**5 + b"}",
+        "not valid JSON",
+    ),
+    "rope_factor_half": (
+        "rope_half",
+        "rope_factor (rope_scaling.factor) must be >= 1 (YaRN stretches the context)",
+    ),
     "softmax_router": (
         dict(scoring_func="softmax"),
         "scoring_func='softmax' is not supported (DeepSeek-V3.2 uses 'sigmoid')",
@@ -2699,8 +2727,8 @@ def test_broken_config_is_one_clear_line(tmp_path, case, capsys):
         path.write_bytes(edit)
     else:
         hf = hf_config(m.Config.tiny())
-        if edit == "rope_inf":
-            hf["rope_scaling"]["factor"] = float("inf")
+        if edit in ("rope_inf", "rope_half"):
+            hf["rope_scaling"]["factor"] = float("inf") if edit == "rope_inf" else 0.5
         else:
             hf.update(edit)
         path.write_text(json.dumps(hf))  # json writes nan / inf as NaN / Infinity, as it reads them
@@ -2756,6 +2784,10 @@ GENERATE_FAULTS = {  # case: (generate arguments, the message)
     "prompt_nested": (dict(prompts=[[1, [2]]]), "(got [[1, [2]]])"),
     "prompt_tensor": (dict(prompts=torch.tensor([1, 2])), "(got tensor([1, 2]))"),
     "prompt_id_too_big": (dict(prompts=[[5, 288]]), "prompt 0 has token ids outside [0, 288)"),
+    "prompt_surrogate": (  # (what Python makes of a byte that is not UTF-8 in a command line argument)
+        dict(prompts=["hi", "ok\udcff"]),
+        "prompt 1 is not valid Unicode text (a lone surrogate at character 2)",
+    ),
 }
 
 
@@ -2787,6 +2819,7 @@ LLM_FAULTS = {  # case: (LLM arguments, the message)
     "device_list": (dict(device=["cpu"]), "unknown device ['cpu']"),
     "model_dir_int": (dict(model_dir=5), "model directory 5 does not exist"),
     "model_dir_file": ("file", "does not exist (or is not a directory)"),
+    "model_dir_empty": (dict(model_dir=""), "model directory '' does not exist"),
     "kernels_word": (dict(kernels="fast"), "kernels must be 'auto', 'torch' or 'gpu' (got 'fast')"),
     "kernels_gpu_on_cpu": (dict(kernels="gpu"), "kernels='gpu' needs a CUDA device (got cpu)"),
 }
@@ -2822,6 +2855,8 @@ CLI_FAULTS = {  # case: (extra CLI arguments, the message)
     "device_meta": (["--device", "meta"], "nano-nsa runs on cpu or cuda"),
     "prompt_file_missing": (["--prompt-file", "nope.txt"], "No such file or directory: 'nope.txt'"),
     "prompt_file_binary": (["--prompt-file", "bin"], "bin: not UTF-8 text (invalid start byte at byte 3)"),
+    "prompt_not_utf8": (["--prompt", "x\udcff"], "prompt 1 is not valid Unicode text (a lone surrogate"),
+    "model_empty": (["--model", ""], "model directory '' does not exist (or is not a directory)"),
     "model_is_file": (["--model", "bin"], "model directory 'bin' does not exist (or is not a directory)"),
 }
 
@@ -2837,6 +2872,27 @@ def test_cli_bad_options_are_one_clear_line(tiny_dir, tmp_path, case, capsys, mo
     (tmp_path / "bin").write_bytes(b"ok\n\xff\xfe\n")
     err = _cli_error(["--model", tiny_dir, "--prompt", "hi", "--max-new-tokens", "2"] + extra, capsys)
     assert message in err, err
+
+
+def test_tiny_top_p_keeps_the_most_likely_token(tiny_dir):
+    """top_p far below fp32's range still keeps the nucleus's first token, so sampling is the argmax (it
+    became 0 in fp32, masked every token, and drew token 0 forever)."""
+    llm = make_llm(tiny_dir, 1)
+    greedy = llm.generate(["hi", [7, 8, 9]], max_new_tokens=6)
+    tiny = llm.generate(["hi", [7, 8, 9]], max_new_tokens=6, temperature=0.7, top_p=1e-300, seed=1)
+    assert [r.token_ids for r in tiny] == [r.token_ids for r in greedy]
+
+
+def test_a_numpy_integer_seed_is_its_int(tiny_dir):
+    np = pytest.importorskip("numpy")
+    llm = make_llm(tiny_dir, 1)
+    a, b = (llm.generate(["hi", "yo"], 6, temperature=1.0, seed=s) for s in (np.int64(5), 5))
+    assert [r.token_ids for r in a] == [r.token_ids for r in b]
+
+
+def test_a_prompt_file_with_a_byte_order_mark(tmp_path):
+    (tmp_path / "p.txt").write_bytes("\ufeffhello\n\nworld\n".encode())
+    assert cli.read_prompts(cli.parse(["--prompt-file", str(tmp_path / "p.txt")])) == ["hello", "world"]
 
 
 def test_tiny_temperature_samples_like_the_reference_floor(tiny_dir):
