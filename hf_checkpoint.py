@@ -395,8 +395,20 @@ def read_headers(path):
 
 def check_tensors(path, cfg):
     """Every shard's header, then every tensor's presence, shape and dtype, against the official table."""
-    expected = checkpoint_tensors(cfg)
     found = read_headers(path)
+    # (the expected table grows with layers x experts: a config.json claiming far more than the shards hold is
+    # refused before it is built, which would take minutes and all the memory)
+    layers = {name.split(".")[2] for name in found if name.startswith("model.layers.")}
+    experts = {name.split(".")[5] for name in found if ".mlp.experts." in name}
+    moe = cfg.n_layers - cfg.n_dense_layers + cfg.n_mtp_layers > 0
+    for n, what, held in (
+        (cfg.n_layers + cfg.n_mtp_layers, "layers", layers),
+        (cfg.n_routed_experts * moe, "routed experts", experts),
+    ):
+        require(
+            n <= len(held), f"{path}: config.json has {n} {what}, but the shards hold tensors of {len(held)}"
+        )
+    expected = checkpoint_tensors(cfg)
     for name, (shape, dtype, file) in found.items():
         unexpected = (
             f"{path}: unexpected tensor {name} in {file} (not part of DeepSeek-V3.2 with this config)"

@@ -2562,6 +2562,24 @@ def test_damaged_shard_is_one_clear_line(tiny_dir, tmp_path, fault, capsys):
     assert err == f"error: {e.value}"
 
 
+@pytest.mark.parametrize("field", ["num_hidden_layers", "n_routed_experts"])
+def test_a_config_claiming_far_more_than_the_shards_hold_is_refused_at_once(tiny_dir, tmp_path, field):
+    """config.json with 10^5 layers (or 8 x 10^5 experts) over the tiny checkpoint's shards: refused in one
+    line in seconds (the table of expected tensors, built first, took minutes and ran out of memory)."""
+    import time
+
+    bad, _ = _damaged_copy(tiny_dir, tmp_path)
+    hf_cfg = json.load(open(os.path.join(bad, "config.json")))
+    hf_cfg[field] = 10**5 if field == "num_hidden_layers" else 8 * 10**5
+    open(os.path.join(bad, "config.json"), "w").write(json.dumps(hf_cfg))
+    t0 = time.perf_counter()
+    with pytest.raises(ValueError) as e:
+        m.LLM(bad, device="cpu")
+    claims, holds = ("100001 layers", 4) if field == "num_hidden_layers" else ("800000 routed experts", 8)
+    assert str(e.value) == f"{bad}: config.json has {claims}, but the shards hold tensors of {holds}"
+    assert time.perf_counter() - t0 < 10
+
+
 TOKENIZER_FAULTS = ["missing", "not_json", "not_a_tokenizer", "ids_beyond_vocab", "missing_special", "eos_id"]
 TOKENIZER_FAULTS += ["truncation", "padding"]  # (they would cut or pad every prompt, silently)
 
