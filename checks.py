@@ -57,6 +57,7 @@ def check_engine_args(args):
         automatic = name in ("kv_cache_bytes", "max_context") and args[name] is None
         if not automatic:
             check_arg(name, args[name], int, low)
+    check_arg("cuda_graphs", args["cuda_graphs"], bool)
 
 
 def gpu_ops(kernels, device):
@@ -79,7 +80,8 @@ def gpu_ops(kernels, device):
 def check_device(device):
     """The torch device for a user's `device` value (None: a GPU if there is one)."""
     try:
-        dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        default = "cuda" if torch.cuda.is_available() else "cpu"
+        dev = torch.device(default if device is None else device)  # ("" and 0 are devices asked for)
     except (RuntimeError, TypeError):
         raise ValueError(f"unknown device {device!r}") from None
     n_gpus = torch.cuda.device_count()  # 0 without CUDA

@@ -2838,6 +2838,8 @@ LLM_FAULTS = {  # case: (LLM arguments, the message)
     "model_dir_int": (dict(model_dir=5), "model directory 5 does not exist"),
     "model_dir_file": ("file", "does not exist (or is not a directory)"),
     "model_dir_empty": (dict(model_dir=""), "model directory '' does not exist"),
+    "device_empty": (dict(device=""), "unknown device ''"),
+    "cuda_graphs_str": (dict(cuda_graphs="no"), "cuda_graphs must be True or False (got 'no')"),
     "kernels_word": (dict(kernels="fast"), "kernels must be 'auto', 'torch' or 'gpu' (got 'fast')"),
     "kernels_gpu_on_cpu": (dict(kernels="gpu"), "kernels='gpu' needs a CUDA device (got cpu)"),
 }
