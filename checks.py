@@ -135,6 +135,17 @@ def weight_bytes(cfg, model_class, ranks):
     return whole_bytes, split_bytes
 
 
+def check_pool(num_pages, page_size, lookahead):
+    """A KV pool that can hold one request: a one-token prompt, one new token and the `lookahead` slots a
+    decode round may write past them (a huge page_size or mtp leaves none)."""
+    need = 2 + lookahead
+    room = (num_pages - 1) * page_size  # (page 0 is the dummy page)
+    why = f"the KV pool's {num_pages} pages of {page_size} slots hold {max(room, 0)} usable slots, fewer than"
+    why += f" one request's decode round needs ({need}): give a larger kv_cache_bytes,"
+    why += " or a smaller page_size or mtp"
+    require(room >= need, why)
+
+
 def check_fits(cfg, device, model_class, kv_bytes_per_token):
     """Refuse, before allocating anything, a model whose share of the weights plus a minimal KV pool exceeds
     this device's free memory (GPU) or the available RAM (CPU), saying what would fit (at how many ranks)."""

@@ -1537,6 +1537,7 @@ class LLM:
         pool_bytes = checks.pool_bytes(kv_cache_bytes, self.device)  # (its default: after the weights)
         pages = torch.tensor([pool_bytes // page_bytes], device=self.device)
         num_pages = int(all_reduce(pages, dist.ReduceOp.MIN))  # the smallest over ranks: one schedule for all
+        checks.check_pool(num_pages, page_size, round_lookahead(mtp))
         self.cache = KVCache(self.cfg, num_pages * page_size, self.device, mtp > 0)
         self.pool = PagePool(self.cache, page_size)
         self.scheduler = Scheduler(self.pool, max_batch, max_prefill_tokens, mtp, self.cfg.index_topk)

@@ -2714,6 +2714,16 @@ CONFIG_FAULTS = {  # case: (edit of the HF config dict, or raw file bytes; what 
 }
 
 
+@pytest.mark.parametrize("kw", [dict(page_size=10**9), dict(mtp=10**6)])
+def test_a_kv_pool_that_cannot_hold_one_round_is_refused(tiny_dir, kw):
+    """A page_size or mtp so large that the pool cannot hold one request's round: refused as the engine is
+    built (on a GPU, before the graphs' buffers are), not at each generate with a misleading hint."""
+    with pytest.raises(ValueError) as e:
+        m.LLM(tiny_dir, device="cpu", **kw)
+    assert "usable slots, fewer than one request's decode round needs" in str(e.value), str(e.value)
+    assert "give a larger kv_cache_bytes, or a smaller page_size or mtp" in str(e.value)
+
+
 def test_missing_model_files_are_one_clear_line(tiny_dir, tmp_path, monkeypatch):
     """No config.json, a config.json that cannot be read, no weights, no demo checkpoint: one line each."""
     with pytest.raises(ValueError, match=f"^no config.json at {tmp_path}/config.json$"):
