@@ -1741,7 +1741,7 @@ def main(argv=None):
         llm = LLM(args.model, **cli.engine_options(args))
         stream = cli.TextStream(llm.tokenizer) if cli.streams(args, prompts) and tp_rank() == 0 else None
         results = llm.generate(prompts, on_tokens=stream, **cli.generate_options(args))
-    except (ValueError, OSError) as e:
+    except (ValueError, OSError, torch.OutOfMemoryError) as e:  # (out of memory: settings too large for it)
         return cli.error(e)
     except KeyboardInterrupt:
         return 130

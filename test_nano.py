@@ -2724,6 +2724,18 @@ def test_a_kv_pool_that_cannot_hold_one_round_is_refused(tiny_dir, kw):
     assert "give a larger kv_cache_bytes, or a smaller page_size or mtp" in str(e.value)
 
 
+def test_out_of_memory_is_one_line_from_the_cli(tiny_dir, capsys, monkeypatch):
+    """Settings too large for the GPU (a huge mtp or max_batch: the graphs' buffers) end in torch's one-line
+    out-of-memory message, not a traceback."""
+
+    def oom(*args, **kwargs):
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 488.28 GiB.")
+
+    monkeypatch.setattr(m.LLM, "generate", oom)
+    err = _cli_error(["--model", tiny_dir, "--prompt", "hi", "--device", "cpu"], capsys)
+    assert err == "error: CUDA out of memory. Tried to allocate 488.28 GiB."
+
+
 def test_missing_model_files_are_one_clear_line(tiny_dir, tmp_path, monkeypatch):
     """No config.json, a config.json that cannot be read, no weights, no demo checkpoint: one line each."""
     with pytest.raises(ValueError, match=f"^no config.json at {tmp_path}/config.json$"):
