@@ -140,10 +140,12 @@ def check_pool(num_pages, page_size, lookahead):
     decode round may write past them (a huge page_size or mtp leaves none)."""
     need = 2 + lookahead
     room = (num_pages - 1) * page_size  # (page 0 is the dummy page)
-    why = f"the KV pool's {num_pages} pages of {page_size} slots hold {max(room, 0)} usable slots, fewer than"
-    why += f" one request's decode round needs ({need}): give a larger kv_cache_bytes,"
-    why += " or a smaller page_size or mtp"
-    require(room >= need, why)
+    require(
+        room >= need,
+        f"the KV pool's {num_pages} pages of {page_size} slots hold {max(room, 0)} usable slots, fewer than"
+        f" one request's decode round needs ({need}): give a larger kv_cache_bytes, or a smaller page_size"
+        " or mtp",
+    )
 
 
 def check_fits(cfg, device, model_class, kv_bytes_per_token):

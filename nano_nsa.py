@@ -316,9 +316,8 @@ def yarn_frequencies(cfg: Config):
     high = min(math.ceil(dim_of(cfg.beta_slow)), d - 1)
     width = high - low if high > low else 0.001
     smooth = 1 - ((torch.arange(d // 2, dtype=torch.float32) - low) / width).clamp(0, 1)  # 1 - the ramp
-    return (
-        freqs / cfg.rope_factor * (1 - smooth) + freqs * smooth
-    )  # (the reference's fp32 steps: bit for bit)
+    # in the reference's fp32 steps, bit for bit (1 - smooth is not always the ramp in fp32)
+    return freqs / cfg.rope_factor * (1 - smooth) + freqs * smooth
 
 
 def rope_cos_sin(cfg: Config, positions: torch.Tensor):
