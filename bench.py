@@ -132,7 +132,7 @@ def verify_inputs(llm, reqs, ctx, k):
     table = llm.pool.table(reqs)
     padded = torch.nn.functional.pad(table, (0, max(0, width - table.shape[1])))
     meta = m.Meta.build("decode", [ctx] * len(reqs), [k + 1] * len(reqs), padded)
-    meta.max_ctx = width
+    meta.table = padded[:, :width]  # (the graph's width, not the longest row's)
     return torch.randint(6, llm.cfg.vocab_size, (len(reqs) * (k + 1),), device=llm.device), meta
 
 

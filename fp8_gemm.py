@@ -3,7 +3,7 @@
 act_quant (1x128 groups, pow2 scales); _gemm: FP8 (or bf16) GEMM with split-K fixed by the weight's shape, the
 partials summed in order by a tile's last program, long weight walks by TMA; fp8_linear, swiglu_linear,
 dense_linear, head_linear and moe_grouped on it. Each public function's torch reference is the function of the
-same name in nano_nsa.py (moe_grouped's: nano_nsa.moe_experts). kernels.py re-exports every name here.
+same name in nano_nsa.py (moe_grouped's: nano_nsa.moe). kernels.py re-exports every name here.
 """
 
 import torch
@@ -305,7 +305,7 @@ def fp8_linear(x, w, scale, partial=False):
 
 
 def swiglu_linear(h, w, scale, partial=False):
-    """w2's half of nano_nsa.swiglu_mlp: SwiGLU's activation and act-quant in one kernel, then the GEMM."""
+    """w2's half of nano_nsa.mlp: SwiGLU's activation and act-quant in one kernel, then the GEMM."""
     return _quantized_linear(*act_quant(h, swiglu=True), w, scale, partial)
 
 
@@ -442,7 +442,7 @@ def moe_layout(idx, E):
 
 
 def moe_grouped(x, weights, idx, w13, s13, w2, s2):
-    """Kernel of nano_nsa.moe_experts on the experts' stacks (w13 [E, 2I, dim] = w1 | w3), with no host sync:
+    """Kernel of nano_nsa.moe on the experts' stacks (w13 [E, 2I, dim] = w1 | w3), with no host sync:
     the (token, expert) pairs sorted into blocks of GEMM_BLOCK_M rows of one expert each (moe_layout); a
     grouped FP8 GEMM for w1|w3, SwiGLU in the act-quant, a grouped GEMM for w2, then each token's rows summed
     in choice order. Batch-invariant: one tile height, no split-K, no atomics. idx E (another rank's expert)

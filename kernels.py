@@ -799,7 +799,7 @@ def linears(x, *lins):
 
 
 def mlp(x, w1, w3, w2):
-    """Kernel of nano_nsa.swiglu_mlp (the op mlp): w1 | w3 as one GEMM where prepare stacked them, then
+    """Kernel of nano_nsa.mlp (the op mlp): w1 | w3 as one GEMM where prepare stacked them, then
     SwiGLU's activation inside w2's act-quant; w2's output unrounded where w2.partial."""
     stacked = _stacked(w1, w3)
     h = torch.cat([w1(x), w3(x)], -1) if stacked is None else fp8_linear(x, stacked[0], stacked[1])
@@ -807,7 +807,7 @@ def mlp(x, w1, w3, w2):
 
 
 def moe(x, weights, idx, experts):
-    """Kernel of nano_nsa.moe_experts (the op moe): moe_grouped on the experts' w1 | w3 stack (prepare's) and
+    """Kernel of nano_nsa.moe (the op moe): moe_grouped on the experts' w1 | w3 stack (prepare's) and
     w2."""
     stacked = _stacked(experts.w1, experts.w3)
     if stacked is None:  # not prepared: stacked for this call

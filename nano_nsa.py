@@ -26,8 +26,7 @@ import math
 import os
 import sys
 import time
-from copy import copy
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, fields, replace
 from itertools import accumulate
 from types import SimpleNamespace
 
@@ -245,7 +244,7 @@ def swiglu(gate, up):
     return (F.silu(gate.float()) * up.float()).to(BF16)
 
 
-def swiglu_mlp(x, w1, w3, w2):
+def mlp(x, w1, w3, w2):
     """The SwiGLU MLP w2(silu(x W1^T) * x W3^T) (w2 split by rows: an unrounded partial sum). On the GPU w1 |
     w3 are one GEMM, and SwiGLU runs inside w2's act-quant."""
     return w2(swiglu(w1(x), w3(x)))
@@ -385,10 +384,9 @@ class Meta:
     mode: str
     positions: torch.Tensor  # [T] absolute position of each row's token
     row_req: torch.Tensor  # [T] request (row of `table`) each row belongs to
-    table: torch.Tensor  # [B, W >= N] table[b, p]: request b's position p's KV-pool slot (PagePool.table)
+    table: torch.Tensor  # [B, W] table[b, p]: request b's position p's KV-pool slot (PagePool.table); its
+    # width W bounds every row's causal length: max_ctx
     cu_seqlens: list  # [B + 1] host: row offsets of each request
-    max_ctx: int  # host: a bound on every row's causal length, the width the indexer scores (exact for
-    # Meta.build; in a decode round the bound CudaGraphs.width rounds up, as the graph's shape)
     slots: torch.Tensor = None  # [T] slot each row's token is written to (default: its position's)
     ctx_lens: torch.Tensor = field(init=False)  # [T] each row's causal length: position + 1
 
@@ -397,13 +395,20 @@ class Meta:
         if self.slots is None:
             self.slots = self.table[self.row_req, self.positions]
 
+    @property
+    def max_ctx(self):
+        """W, the table's width: the width the indexer scores. Meta.build cuts the table to the longest row's
+        causal length; a decode round's is the bound LLM.decode computes (which a CUDA graph rounds up to
+        its own width: CudaGraphs.width)."""
+        return self.table.shape[1]
+
     @classmethod
     def build(cls, mode, starts, lens, table):
         """Request b has rows for positions starts[b] .. starts[b] + lens[b] - 1 (host lists)."""
         positions = [s + i for s, n in zip(starts, lens, strict=True) for i in range(n)]
         row_req = [b for b, n in enumerate(lens) for _ in range(n)]
         pos, row_req = to_device(torch.tensor([positions, row_req]), table.device)  # one copy
-        return cls(mode, pos, row_req, table, list(accumulate(lens, initial=0)), max(positions) + 1)
+        return cls(mode, pos, row_req, table[:, : max(positions) + 1], list(accumulate(lens, initial=0)))
 
     def request_rows(self):
         return [slice(a, b) for a, b in zip(self.cu_seqlens[:-1], self.cu_seqlens[1:], strict=True)]
@@ -440,12 +445,12 @@ class LayerCache:
 
 
 class KVCache:
-    """The KV pool of every layer (main layers, then MTP layers; mtp False: an engine that does not draft
-    keeps none of theirs), addressed by slot: `latent` [L, S, row_bytes] uint8 holds MLA's whole row
+    """The KV pool of every layer (main layers, then MTP layers; mtp_layers False: an engine that does not
+    draft keeps none of theirs), addressed by slot: `latent` [L, S, row_bytes] uint8 holds MLA's whole row
     (LayerCache views it), `ik` the FP8 indexer key and `iks` its fp32 scale."""
 
-    def __init__(self, cfg: Config, num_slots: int, device="cpu", mtp=True):
-        L = cfg.n_layers + cfg.n_mtp_layers * mtp
+    def __init__(self, cfg: Config, num_slots: int, device="cpu", mtp_layers=True):
+        L = cfg.n_layers + cfg.n_mtp_layers * mtp_layers
         self.C = cfg.kv_lora_rank
         self.latent = torch.zeros(L, num_slots, self.row_bytes(cfg), dtype=torch.uint8, device=device)
         self.ik = torch.zeros(L, num_slots, cfg.index_head_dim, dtype=FP8, device=device)
@@ -457,8 +462,9 @@ class KVCache:
         return cfg.kv_lora_rank + cfg.kv_lora_rank // 32 + 2 * cfg.qk_rope_head_dim
 
     @staticmethod
-    def bytes_per_token(cfg: Config, mtp=True):
-        return (cfg.n_layers + cfg.n_mtp_layers * mtp) * (KVCache.row_bytes(cfg) + cfg.index_head_dim + 4)
+    def bytes_per_token(cfg: Config, mtp_layers=True):
+        layers = cfg.n_layers + cfg.n_mtp_layers * mtp_layers
+        return layers * (KVCache.row_bytes(cfg) + cfg.index_head_dim + 4)
 
     def layer(self, i):
         return LayerCache(self.latent[i], self.ik[i], self.iks[i], self.C)
@@ -682,7 +688,7 @@ class MLA(nn.Module):
 
 # ---- Feed-forward: SwiGLU MLP and the sigmoid-routed, group-limited MoE (spec 3.4, 3.9) --------------------
 class MLP(nn.Module):
-    """SwiGLU, w2(silu(x W1) * x W3) (swiglu_mlp). A rank holds inter_dim / ranks of it: its output is an
+    """SwiGLU, w2(silu(x W1) * x W3) (mlp). A rank holds inter_dim / ranks of it: its output is an
     unrounded part of the sum (Block adds them)."""
 
     def __init__(self, dim, inter_dim):
@@ -729,7 +735,7 @@ class Gate(nn.Module):
         return self.ops.route(logits, self.bias, *limits, cfg.route_scale)
 
 
-def moe_experts(x, weights, idx, experts):
+def moe(x, weights, idx, experts):
     """The routed experts of a MoE layer (the reference of the grouped MoE kernel): each a SwiGLU MLP over
     the tokens that chose it, summed with their routing weights in fp32. x [T, dim] bf16; weights, idx [T,
     A]; experts.w1, w3 [E, F, dim], w2 [E, dim, F] FP8 stacks -> [T, dim] fp32. Grouped as the kernel: the
@@ -903,8 +909,8 @@ DEQUANTIZE_AT_LOAD_BYTES = 2 << 30
 def dequantize_weights(model):
     """The references' preparation of a bound model's weights (TORCH_OPS.prepare): every Linear gets the
     dequantized (FP8) or widened (plain) copy it computes with, a weight shared by two Linears one copy."""
-    fp8_weights = sum(p.numel() for p in model.parameters() if p.dtype == FP8)
-    if fp8_weights * 8 > DEQUANTIZE_AT_LOAD_BYTES:
+    weights = {mod.weight for mod in model.modules() if isinstance(mod, Linear)}  # (a shared one once)
+    if sum(w.numel() for w in weights) * 8 > DEQUANTIZE_AT_LOAD_BYTES:
         return
     copies = {}  # weight -> the copy the references read
     for mod in model.modules():
@@ -929,9 +935,9 @@ TORCH_OPS = SimpleNamespace(
     rms_norm=rms_norm,  # RMSNorm, with the residual add fused                   (RMSNorm)
     fp8_linear=fp8_linear,  # act-quant + block-scaled FP8 GEMM                (Linear)
     dense_linear=dense_linear,  # bf16/fp32 weights: lm_head, weights_proj, eh_proj (Linear)
-    mlp=swiglu_mlp,  # SwiGLU MLP (GPU: w1 | w3 one GEMM, SwiGLU in w2's act-quant) (MLP)
+    mlp=mlp,  # SwiGLU MLP (GPU: w1 | w3 one GEMM, SwiGLU in w2's act-quant) (MLP)
     route=route,  # the router after its product: group-limited top-k, weights (Gate)
-    moe=moe_experts,  # routed experts, grouped, weighted sum                (MoE)
+    moe=moe,  # routed experts, grouped, weighted sum                (MoE)
     side_by_side=side_by_side,  # independent parts of a layer: GPU, streams (MLA, Indexer, MoE)
     prepare=dequantize_weights,  # the weights as the ops read them, once at load (Transformer.bind)
     attn_dtype=acc_dtype,  # dtype of wkv_b's absorbed halves (exact: pow2-scaled FP8 fits bf16)
@@ -1150,8 +1156,8 @@ class Request:
     return_logits: bool = False  # keep the main-model logits row of every emitted token in `logits`
     on_tokens: object = None  # called as on_tokens(idx, [token]) for every emitted token
     logits: list = field(default_factory=list)
-    accept_lengths: list = field(default_factory=list)  # tokens each decode round accepted (emitted, but
-    # for those past EOS or max_new_tokens)
+    accept_lengths: list = field(default_factory=list)  # each decode round's tokens accepted (emitted,
+    # counting any that EOS or max_new_tokens then cut)
     finish: str = None  # "eos" | "length" once done
 
     @property
@@ -1351,7 +1357,7 @@ class Scheduler:
 # ---- The speculative round: verify -> accept -> draft-extend -> draft, one function of device tensors ------
 def speculative_round(model, cache, batch: Batch, table):
     """One decode round of every request of the batch, on the device with no host synchronization (a CUDA
-    graph captures it whole) -> (settled [B, k+2]: the emitted tokens, then how many; the verify logits [B,
+    graph captures it whole) -> (emitted [B, k+2]: the emitted tokens, then how many; the verify logits [B,
     k+1, V]); `batch` then holds the next round's inputs. table [B, W]: the requests' page-table rows, W a
     bound on every causal length (the width the indexer scores; a CUDA graph's padding row is all slot 0, and
     its start stays at 0). The four phases:
@@ -1366,19 +1372,18 @@ def speculative_round(model, cache, batch: Batch, table):
     offsets = torch.arange(n, device=dev)
     positions = (batch.start[:, None] + offsets).flatten()  # [B*(k+1)]: L..L+k
     rows = torch.arange(B, device=dev).repeat_interleave(n)
-    meta = Meta("decode", positions, rows, table, list(range(0, B * n + 1, n)), table.shape[1])
-    h = model(batch.tokens.flatten(), meta, cache)
+    meta = Meta("decode", positions, rows, table, list(range(0, B * n + 1, n)))
+    h = model(batch.tokens.flatten(), meta, cache)  # 1. verify
     logits = model.logits(h).view(B, n, -1)
-    emitted, counts = accept(model.ops, batch, logits)
+    emitted, counts = accept(model.ops, batch, logits)  # 2. accept
     next_tokens = emitted  # (k = 0: the one token emitted)
-    if n > 1:
+    if n > 1:  # 3. draft-extend: the same rows, their positions and lengths as they are
         kept = (offsets < counts[:, None]).flatten()  # [B*(k+1)] the rows whose x was emitted
-        extend = copy(meta)  # (its positions and lengths as they are)
-        extend.slots = meta.slots * kept
+        extend = replace(meta, slots=meta.slots * kept)
         h = model.mtp_forward(emitted.flatten() * kept, h, extend, cache)
         h = h[torch.arange(B, device=dev) * n + counts - 1]  # each request's last emitted row
         start = batch.start + counts  # L': the position of the last emitted token
-        drafts, q = draft(model, cache, h, start, batch, table)
+        drafts, q = draft(model, cache, h, start, batch, table)  # 4. draft
         next_tokens = torch.cat([emitted.gather(1, counts[:, None] - 1), drafts], 1)
         if batch.q is not None:
             batch.q.copy_(q)
@@ -1397,7 +1402,7 @@ def draft(model, cache, h, start, batch, table):
     tokens, dists = [], []
     for step in range(k):
         if step:
-            meta = Meta("decode", start + (step - 1), rows, table, list(range(B + 1)), table.shape[1])
+            meta = Meta("decode", start + (step - 1), rows, table, list(range(B + 1)))
             h = model.mtp_forward(tokens[-1], h, meta, cache)
         logits = model.mtp[0].logits(h)  # [B, V]
         if batch.sampling:  # (d_{step+1} is the token at position start + step + 1)
@@ -1446,7 +1451,7 @@ class CudaGraphs:
         how = (zeros(bs), zeros(bs).float(), zeros(bs).float() + 1)  # seeds, temperature, top_p
         self.static = Batch(zeros(bs, num_draft + 1), zeros(bs), q, *how, False)  # every graph's
         self.graphs = {}
-        self.pool = None  # one memory pool for all of them
+        self.memory_pool = None  # one CUDA memory pool for all of them
 
     def width(self, max_ctx):
         """The context bound a round runs under: index_topk, or the next power of two (the indexer's
@@ -1488,8 +1493,8 @@ class CudaGraphs:
         round_ = functools.partial(speculative_round, self.model, self.cache, batch, self.table[:bs, :width])
         inputs = [t for t in s.tensors() + [self.table] if t is not None]
         what = f"the {'sampling' if sampling else 'greedy'} round for bs {bs}, contexts <= {width}"
-        graph, out = self.model.ops.capture(round_, self.pool, inputs, what)
-        self.pool = self.pool or graph.pool()
+        graph, out = self.model.ops.capture(round_, self.memory_pool, inputs, what)
+        self.memory_pool = self.memory_pool or graph.pool()
         self.graphs[key] = (graph, out)
 
 
@@ -1644,14 +1649,14 @@ class LLM:
         # a bound on the round's contexts (the host is a round behind)
         bound = max(r.num_cached for r in reqs) + round_lookahead(self.num_draft)
         if self.graphs:
-            self.batch, (settled, logits) = self.graphs.run(self.batch, len(reqs), table, bound)
+            self.batch, (emitted, logits) = self.graphs.run(self.batch, len(reqs), table, bound)
         else:
-            settled, logits = speculative_round(self.model, self.cache, self.batch, table[:, :bound])
+            emitted, logits = speculative_round(self.model, self.cache, self.batch, table[:, :bound])
         if any(r.return_logits for r in reqs):  # (a CUDA graph's next replay overwrites them)
             logits = logits.clone()
         # round n+1 is queued; round n (`previous`: None right after a settle) is applied only now, so the
         # host's bookkeeping runs while the GPU runs
-        previous, self.launched = self.launched, (reqs, self.model.ops.read_back(settled), logits)
+        previous, self.launched = self.launched, (reqs, self.model.ops.read_back(emitted), logits)
         if previous:
             self.apply(*previous)
         return True
@@ -1689,11 +1694,11 @@ class LLM:
             r.draft = self.batch.tokens[b, 1:].clone()
             r.q = self.batch.q[b].clone() if sampled else None
 
-    def apply(self, reqs, read_back, logits):
-        """Apply a launched round to its requests (its one read-back): each emits its accepted tokens. A row
-        of the read-back is [e_0 .. e_k, count] (the emitted tokens, then how many are real); rows past
-        len(reqs) are a graph's padding, dropped by the zip."""
-        for b, (r, row) in enumerate(zip(reqs, read_back(), strict=False)):
+    def apply(self, reqs, fetch, logits):
+        """Apply a launched round to its requests: each emits its accepted tokens. fetch() waits for the
+        round's one read-back (ops.read_back), rows [e_0 .. e_k, count] (the emitted tokens, then how many are
+        real); rows past len(reqs) are a graph's padding, dropped by the zip."""
+        for b, (r, row) in enumerate(zip(reqs, fetch(), strict=False)):
             if r.finish is not None:  # it finished the round before (this round was in flight)
                 continue
             new = row[: row[-1]]

@@ -282,6 +282,18 @@ def test_weights_dequantized_at_load_give_the_same_logits(tiny_dir, model, monke
             assert a.token_ids == b.token_ids and torch.equal(a.logits, b.logits)
 
 
+def test_dequantize_at_load_counts_the_widened_plain_weights_too(tiny_dir, model, monkeypatch):
+    """DEQUANTIZE_AT_LOAD_BYTES bounds every copy the references would make: the plain weights widened to the
+    accumulation dtype (the fp32 heads, weights_proj, eh_proj) as well as the dequantized FP8 ones."""
+    linears = {mod.weight for mod in model.modules() if isinstance(mod, m.Linear)}
+    fp8 = sum(w.numel() for w in linears if w.dtype == torch.float8_e4m3fn)
+    assert sum(w.numel() for w in linears) > fp8  # the plain weights add to the copies
+    monkeypatch.setattr(m, "DEQUANTIZE_AT_LOAD_BYTES", fp8 * 8)  # room for the FP8 copies alone
+    assert m.load_model(tiny_dir).head.dequantized is None
+    monkeypatch.setattr(m, "DEQUANTIZE_AT_LOAD_BYTES", sum(w.numel() for w in linears) * 8)
+    assert m.load_model(tiny_dir).head.dequantized is not None
+
+
 def test_random_model_on_device_equals_written_checkpoint(tiny_dir, model):
     """random_model (its GPU-side generator) follows the writer's recipe: on CPU it gives the same
     tensors."""
@@ -3176,7 +3188,7 @@ def test_gpu_moe_kernel_matches_reference(experts_full, T, case):
     weights = torch.rand(T, 8, generator=gen, device="cuda") + 0.1
     x = torch.randn(T, 7168, generator=gen, device="cuda").to(m.BF16)
     got = kernels.moe_grouped(x, weights, idx, *experts_full)
-    want = m.moe_experts(x, weights, idx, stacked_experts(*experts_full))
+    want = m.moe(x, weights, idx, stacked_experts(*experts_full))
     err = ((got - want).norm() / want.norm()).item()
     print(f"MoE T={T} {case}: {idx.unique().numel()} experts used, rel err {err:.2e}")
     assert err < 1e-2
