@@ -224,6 +224,10 @@ def check_generate_args(prompts, args, on_tokens):
                 check_arg(name, value, *rule)
     for name in FLAGS:
         check_arg(name, args[name], bool)
+    require(
+        not (args["thinking"] and args["raw"]),
+        "thinking=True is a mode of the chat template, which raw=True leaves out",
+    )
     require(on_tokens is None or callable(on_tokens), f"on_tokens must be a function (got {on_tokens!r:.80})")
     return list(prompts)
 
@@ -264,6 +268,6 @@ def check_prompt(i, ids, max_new, vocab_size, max_context, capacity, lookahead):
     require(len(ids) + max_new <= max_context, too_long)
     never_fits = (
         f"prompt {i} ({len(ids)} tokens + {max_new} new) can never fit in the KV pool of {capacity} "
-        "slots; give the engine a larger kv_cache_bytes"
+        "slots; give the engine a larger kv_cache_bytes (the command line's --kv-cache-gb)"
     )
     require(len(ids) + max_new + lookahead <= capacity, never_fits)

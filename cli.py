@@ -4,8 +4,10 @@ reader of the engine can skip this file."""
 
 import argparse
 import json
+import os
 import sys
 
+import torch
 import torch.distributed as dist
 
 from checks import SAMPLING, check_arg, check_texts, require
@@ -28,6 +30,8 @@ def parse(argv):
     ap.add_argument("--thinking", action="store_true", help="chat in thinking mode")
     ap.add_argument("--raw", action="store_true", help="plain completion, no chat template")
     ap.add_argument("--max-context", type=int, help="refuse prompts + max_new_tokens longer than this")
+    pool_help = "the KV pool, GiB (default: 0.25 on a CPU, 80%% of the free memory on a GPU)"
+    ap.add_argument("--kv-cache-gb", type=float, help=pool_help)
     kernels_help = "auto: kernels.py on a GPU that supports it; torch: the readable reference path"
     ap.add_argument("--kernels", default="auto", choices=["auto", "torch", "gpu"], help=kernels_help)
     ap.add_argument("--no-cuda-graphs", action="store_true", help="run decode rounds eagerly (GPU)")
@@ -43,18 +47,27 @@ def read_prompts(args):
     if args.prompt_file:
         try:
             with open(args.prompt_file, encoding="utf-8-sig") as f:  # (a byte-order mark is not text)
-                prompts += [line.rstrip("\n") for line in f if line.strip()]
+                lines = [line.rstrip("\n") for line in f if line.strip()]
         except UnicodeDecodeError as e:
             raise ValueError(f"{args.prompt_file}: not UTF-8 text ({e.reason} at byte {e.start})") from None
+        require(lines, f"{args.prompt_file}: no prompt in it (one a line; blank lines are skipped)")
+        prompts += lines
     require(prompts, "give at least one --prompt or a --prompt-file")
     check_texts(prompts)
     for name, rule in SAMPLING.items():
         check_arg(name, getattr(args, name), *rule)
+    require(
+        not (args.thinking and args.raw), "--thinking is a mode of the chat template, which --raw leaves out"
+    )
+    if args.kv_cache_gb is not None:
+        check_arg("--kv-cache-gb", args.kv_cache_gb, float, 0, open_low=True)
     return prompts
 
 
 def engine_options(args):
+    pool = None if args.kv_cache_gb is None else int(args.kv_cache_gb * 2**30)
     return dict(
+        kv_cache_bytes=pool,
         device=args.device,
         mtp=args.mtp,
         max_context=args.max_context,
@@ -74,7 +87,14 @@ def streams(args, prompts):
 
 
 def error(e):
-    """A bad input: one line on stderr, exit code 1."""
+    """A bad input, or settings too large for the machine's memory: one line on stderr, exit code 1. Any other
+    RuntimeError is a bug: raised again, with its traceback."""
+    out_of_memory = isinstance(e, torch.OutOfMemoryError) or "can't allocate memory" in str(e)  # (GPU, CPU)
+    if isinstance(e, RuntimeError) and not out_of_memory:
+        raise e
+    if isinstance(e, BrokenPipeError):  # stdout's reader went away (`| head`): nothing to tell it
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # (nor a second error at exit)
+        return 1
     print("error: " + str(e).replace("\n", " "), file=sys.stderr)
     return 1
 
@@ -108,7 +128,9 @@ def summary(reqs, seconds, rounds, preemptions, num_draft):
     return stats
 
 
-def print_results(args, prompts, results, stats, streamed):
+def print_results(args, prompts, results, stats, stream):
+    """The texts (the rest of a streamed one: stream held back an unfinished character at its end), or one
+    JSON document, then a line of stats on stderr."""
     if args.json:
         rows = [
             dict(
@@ -123,8 +145,8 @@ def print_results(args, prompts, results, stats, streamed):
         print(json.dumps({"results": rows, "stats": stats}))
         return
     for p, r in zip(prompts, results, strict=True):
-        if streamed:
-            print("")  # the text is out already: end its line
+        if stream:
+            print(r.text[len(stream.printed) :])  # the text is out already, but for such a character
         else:
             print(f"--- {p!r}\n{r.text}")
     spec = ""

@@ -838,8 +838,8 @@ def capture(fn, pool, inputs, what):
     finally:
         if collecting:  # (as the caller had it)
             gc.enable()
-    for t, saved in kept:
-        t.copy_(saved)
+        for t, saved in kept:  # (a capture that failed leaves the inputs as they were too)
+            t.copy_(saved)
     print(f"nano-nsa: captured {what} in {time.perf_counter() - t0:.2f} s", file=sys.stderr)
     return graph, out
 

@@ -377,9 +377,11 @@ def to_device(x: torch.Tensor, device) -> torch.Tensor:
 
 @dataclass
 class Meta:
-    """Everything a forward pass needs to know about its rows, built once for it and shared by every layer.
-    mode 'prefill': rows are chunks of prompts; 'decode': every row is a query of its own (a decode row, a
-    verify row and its drafts, a draft step), with its own position and so its own causal length."""
+    """Everything a forward pass needs to know about its rows, built once for it and shared by every layer
+    (where: Meta.build for a prefill step; speculative_round for the verify rows, which draft-extend reuses;
+    draft for each draft step). mode 'prefill': rows are chunks of prompts; 'decode': every row is a query of
+    its own (a decode row, a verify row and its drafts, a draft step), with its own position and so its own
+    causal length. (RoPE's cos and sin of the positions: once per pass too, by the model, rope_cos_sin.)"""
 
     mode: str
     positions: torch.Tensor  # [T] absolute position of each row's token
@@ -573,7 +575,8 @@ SPARSE_MLA_BLOCK_BYTES = 8 << 20
 def sparse_mla(q_abs, q_pe, cache: LayerCache, selected, meta: Meta, scale):
     """Absorbed ("MQA") sparse attention, one query row per token: the reference of the sparse MLA decode
     kernel. q_abs [T, H, C] (q_nope already multiplied into the latent space), q_pe [T, H, R]; selected [T,
-    K] each row's selected context positions (-1 = none; the valid ones first) -> o_lat [T, H, C] fp32."""
+    K] each row's selected context positions (-1 = none; the valid ones first) -> o_lat [T, H, C] in the
+    accumulation dtype (fp32, the kernel's; fp64 on the CPU)."""
     valid = selected >= 0  # [T, K]; the slots of the others are read (position 0's) and masked
     slots = meta.table[meta.row_req[:, None], selected.clamp(min=0)]  # [T, K] KV-pool slots
     acc = acc_dtype(q_abs)
@@ -585,7 +588,7 @@ def sparse_mla(q_abs, q_pe, cache: LayerCache, selected, meta: Meta, scale):
         kv, pe = kv.to(acc), pe.to(acc)
         scores = q_abs[rows].to(acc) @ kv.transpose(1, 2) + q_pe[rows].to(acc) @ pe.transpose(1, 2)
         scores = (scores * scale).masked_fill(~valid[rows, None, :], float("-inf"))  # [t, H, K]
-        out.append((scores.softmax(-1) @ kv).float())  # [t, H, C]
+        out.append(scores.softmax(-1) @ kv)  # [t, H, C] (not rounded to fp32: the dense form is not either)
     return torch.cat(out)
 
 
@@ -707,7 +710,9 @@ def route(logits, bias, groups, top_groups, top_experts, scale):
     the top_experts experts inside them; weights are the unbiased scores, renormalized, times scale. ->
     (routing weights [T, A] fp32, expert indices [T, A])."""
     T = logits.shape[0]
-    scores = logits.sigmoid()  # [T, E] fp32
+    # [T, E] fp32: sigmoid(x) as the softmax of (x, 0), row by row (torch's CPU sigmoid computes the elements
+    # its vector loop leaves over with other code, so a row's scores would depend on its place in the batch)
+    scores = torch.stack([logits, torch.zeros_like(logits)], -1).softmax(-1)[..., 0]
     biased = (scores + bias).view(T, groups, -1)  # [T, G, E/G]
     group_score = biased.topk(2, dim=-1).values.sum(-1)  # [T, G]
     keep = top_indices(group_score, top_groups)  # the kept groups
@@ -1745,13 +1750,13 @@ def main(argv=None):
         llm = LLM(args.model, **cli.engine_options(args))
         stream = cli.TextStream(llm.tokenizer) if cli.streams(args, prompts) and tp_rank() == 0 else None
         results = llm.generate(prompts, on_tokens=stream, **cli.generate_options(args))
-    except (ValueError, OSError, torch.OutOfMemoryError) as e:  # (out of memory: settings too large for it)
+        cli.end_distributed(llm.graphs is not None)
+        if tp_rank() == 0:  # torchrun: every rank computed the same tokens
+            cli.print_results(args, prompts, results, llm.stats, stream)
+    except (ValueError, OSError, RuntimeError) as e:  # (RuntimeError: out of memory; cli.error raises others)
         return cli.error(e)
     except KeyboardInterrupt:
         return 130
-    cli.end_distributed(llm.graphs is not None)
-    if tp_rank() == 0:  # torchrun: every rank computed the same tokens
-        cli.print_results(args, prompts, results, llm.stats, stream is not None)
     return 0
 
 

@@ -701,6 +701,21 @@ def test_mtp_layer_matches_spec(model):
     assert mtp.shared_head.head.weight is model.head.weight, "equal copies of the head should be shared"
 
 
+def test_route_of_a_row_does_not_depend_on_its_batch():
+    """The router's weights and choices of a row, bit for bit, alone or at any place in a batch of any size
+    (torch's CPU sigmoid rounds a batch's last few elements otherwise: a row alone is all of them)."""
+    cfg = m.Config.tiny()  # 8 experts: a row is less than a CPU vector loop's step
+    gen = torch.Generator().manual_seed(3)
+    logits = torch.randn(70, cfg.n_routed_experts, generator=gen) * 3
+    bias = torch.randn(cfg.n_routed_experts, generator=gen) * 0.1
+    limits = (cfg.n_expert_groups, cfg.n_limited_groups, cfg.n_activated_experts, cfg.route_scale)
+    alone = [m.route(logits[t : t + 1], bias, *limits) for t in range(len(logits))]
+    for T in range(1, len(logits) + 1):
+        weights, idx = m.route(logits[:T], bias, *limits)
+        assert torch.equal(weights, torch.cat([w for w, _ in alone[:T]]))
+        assert torch.equal(idx, torch.cat([i for _, i in alone[:T]]))
+
+
 def test_moe_routing_and_output_match_spec(model, monkeypatch):
     """Gate (spec 3.9) recomputed in fp64: the bias steers selection only; group-limited top-k; weights are
     the unbiased scores renormalized times route_scale; output = sum of weighted experts + shared expert."""
@@ -1193,9 +1208,14 @@ def test_cli_end_to_end(tiny_dir, tmp_path):
         "no_cuda",
         "bad_device",
         "no_prompt",
+        "blank_prompt_file",
+        "thinking_raw",
+        "kv_gb_zero",
+        "kv_gb_inf",
     ],
 )
 def test_cli_bad_input_is_one_clear_line(tiny_dir, tmp_path, case, capsys):
+    (tmp_path / "blank.txt").write_text("\n  \n\n")
     bad = tmp_path / "llama"
     bad.mkdir()
     (bad / "config.json").write_text(json.dumps({"model_type": "llama"}))
@@ -1215,6 +1235,13 @@ def test_cli_bad_input_is_one_clear_line(tiny_dir, tmp_path, case, capsys):
         "no_cuda": (base + ["--device", "cuda"], "CUDA is not available"),
         "bad_device": (base + ["--device", "tpu9"], "unknown device"),
         "no_prompt": (base[:2], "give at least one --prompt or a --prompt-file"),
+        "blank_prompt_file": (
+            base[:2] + ["--prompt-file", str(tmp_path / "blank.txt")],
+            "blank.txt: no prompt in it (one a line; blank lines are skipped)",
+        ),
+        "thinking_raw": (base + ["--thinking", "--raw"], "--thinking is a mode of the chat template"),
+        "kv_gb_zero": (base + ["--kv-cache-gb", "0"], "--kv-cache-gb must be > 0"),
+        "kv_gb_inf": (base + ["--kv-cache-gb", "inf"], "--kv-cache-gb must be a finite number"),
     }[case]
     if case == "no_cuda" and torch.cuda.is_available():
         pytest.skip("this machine has CUDA")
@@ -1230,6 +1257,73 @@ def test_cli_bad_input_is_one_clear_line(tiny_dir, tmp_path, case, capsys):
         and "\n" not in err
         and "Traceback" not in err
     )
+
+
+def test_cli_kv_cache_gb_sizes_the_pool(tiny_dir, monkeypatch):
+    """--kv-cache-gb is LLM's kv_cache_bytes in GiB (the remedy check_prompt names for a request that can
+    never fit)."""
+    got = {}
+    monkeypatch.setattr(
+        m, "LLM", lambda model, **kw: got.update(kw) or (_ for _ in ()).throw(ValueError("x"))
+    )
+    m.main(["--model", tiny_dir, "--prompt", "hi", "--kv-cache-gb", "0.5"])
+    assert got["kv_cache_bytes"] == 1 << 29
+    m.main(["--model", tiny_dir, "--prompt", "hi"])
+    assert got["kv_cache_bytes"] is None
+
+
+def test_cli_out_of_memory_is_one_line_and_other_runtime_errors_are_raised(tiny_dir, monkeypatch, capsys):
+    """Settings too large for the machine end in one line, on the CPU too, whose allocator raises a plain
+    RuntimeError (a huge --mtp: the references' scores of thousands of verify rows); any other RuntimeError
+    is a bug, raised with its traceback."""
+    errors = {
+        "cpu": RuntimeError(
+            "DefaultCPUAllocator: can't allocate memory: you tried to allocate 3457920224 bytes"
+        ),
+        "gpu": torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 488.00 GiB"),
+    }
+    for e in errors.values():
+        monkeypatch.setattr(m.LLM, "generate", lambda self, *a, e=e, **kw: (_ for _ in ()).throw(e))
+        assert "allocate" in _cli_error(["--model", tiny_dir, "--prompt", "hi", "--mtp", "0"], capsys)
+    monkeypatch.setattr(m.LLM, "generate", lambda self, *a, **kw: (_ for _ in ()).throw(RuntimeError("bug")))
+    with pytest.raises(RuntimeError, match="bug"):
+        m.main(["--model", tiny_dir, "--prompt", "hi", "--mtp", "0"])
+
+
+def test_cli_prints_the_held_back_end_of_a_streamed_text(capsys):
+    """A streamed text is printed as whole characters; where generation stops inside one (its text ends in
+    U+FFFD), print_results prints that held-back end, so the stream ends as the text does."""
+    stats = dict(tokens=3, seconds=1.0, tokens_per_s=3.0, mean_accept_length=None)
+    result = SimpleNamespace(text="Named\ufffd")
+    cli.print_results(SimpleNamespace(json=False), ["p"], [result], stats, SimpleNamespace(printed="Named"))
+    assert capsys.readouterr().out == "\ufffd\n"
+
+
+def test_cli_reader_that_goes_away_is_no_traceback(tmp_path):
+    """`python nano_nsa.py ... | head`: stdout's reader closes the pipe before the results are printed; the
+    command exits with code 1 and writes nothing to stderr (no BrokenPipeError traceback)."""
+    import subprocess
+
+    cmd = [
+        sys.executable,
+        "nano_nsa.py",
+        "--prompt",
+        "hi",
+        "--json",
+        "--max-new-tokens",
+        "2",
+        "--device",
+        "cpu",
+    ]
+    p = subprocess.Popen(cmd, cwd=os.path.dirname(m.__file__), stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    p.stdout.close()
+    err = p.stderr.read().decode()
+    assert p.wait() == 1 and "Traceback" not in err and "Broken" not in err, err
+
+
+def test_thinking_with_raw_is_refused(tiny_dir):
+    with pytest.raises(ValueError, match="thinking=True is a mode of the chat template"):
+        make_llm(tiny_dir, 0).generate(["hi"], thinking=True, raw=True)
 
 
 def test_context_limit_of_the_model(tiny_dir):
@@ -3056,6 +3150,22 @@ def test_gpu_dense_linear_matches_reference(M, N, K):
 
 
 @gpu
+def test_gpu_gemm_rows_are_not_bounded_by_the_split_k_counters():
+    """A GEMM without split-K uses no tile counters, so its tiles are not bounded by GEMM_LOCKS: the lm_head
+    (2020 column tiles) over 2112 rows (a verify pass of 264 requests x 8 rows) is 33 x 2020 > 65536 tiles."""
+    import fp8_gemm
+    import kernels
+
+    M, N, K = 2112, 129280, 7168
+    assert fp8_gemm.gemm_config(N, K, fp8=False)["SPLIT_K"] == 1
+    gen = torch.Generator("cuda").manual_seed(5)
+    w = (torch.randn(N, K, generator=gen, device="cuda") * 0.02).to(m.BF16)
+    x = torch.randn(M, K, generator=gen, device="cuda").to(m.BF16)
+    got, want = kernels.dense_linear(x, w), m.dense_linear(x, w)
+    assert ((got - want).norm() / want.norm()).item() < 1e-5
+
+
+@gpu
 @pytest.mark.parametrize(
     "H,K,N", [(128, 128, 512), (128, 512, 128), (16, 128, 512), (8, 64, 256), (4, 256, 32)]
 )
@@ -3486,6 +3596,22 @@ if __name__ == "__main__" and sys.argv[1:2] == ["tp-run"]:
 # ------------------------------------------------------------------------------------------------------------
 DEMO_EVAL = os.path.join(hf.DEMO_DIR, "eval.json")
 needs_demo = pytest.mark.skipif(not os.path.isfile(DEMO_EVAL), reason="demo/ checkpoint not present")
+
+
+@needs_demo
+def test_cpu_tokens_do_not_depend_on_where_max_prefill_tokens_cuts_a_prompt():
+    """On the CPU the dense per-head form (a prompt chunk whose context fits in top-k) and the absorbed sparse
+    form (a longer one) are one function in fp64, so where max_prefill_tokens cuts a prompt, which decides the
+    form of each chunk, does not change its logits. sparse_mla once rounded its result to fp32 and the dense
+    form did not: this held-out prompt's first logits then differed by 0.46 (a value of layer 2 rounded to
+    another bf16 number before wo, and the router amplified it)."""
+    with open(DEMO_EVAL) as f:
+        prompt = json.load(f)["heldout_chunks"][4][122:363]  # 241 tokens (the demo's index_topk: 128)
+    kw = dict(max_new_tokens=1, return_logits=True)
+    logits = [
+        m.LLM(device="cpu", mtp=0, max_prefill_tokens=n).generate([prompt], **kw)[0].logits for n in (512, 64)
+    ]
+    assert torch.equal(*logits)
 
 
 def _train_demo():
