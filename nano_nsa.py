@@ -1620,7 +1620,9 @@ class LLM:
         the prompt's next token x_{p+1}. A prompt's last token x_{P-1} is not prefilled: it is x_L of the
         request's first decode round, so every token a request emits is drawn by a round. That round's drafts
         repeat the MTP layer's guess of x_P from the prompt's last prefilled row: its argmax, drawn from a
-        one-hot q, which keeps acceptance exact for a sampling request too."""
+        one-hot q, which keeps acceptance exact for a sampling request too. (Only the first is a real guess:
+        chained ones would need MTP decode steps in the prefill step; verify tests the copies at no extra
+        cost, as their rows are there anyway.)"""
         reqs, starts, lens = zip(*chunks, strict=True)
         meta = Meta.build("prefill", starts, lens, self.pool.table(reqs))
         pairs = [r.tokens[p : p + 2] for r, s, n in chunks for p in range(s, s + n)]  # (x_p, x_{p+1})
