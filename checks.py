@@ -224,12 +224,14 @@ def check_generate_args(prompts, args, on_tokens):
                 check_arg(name, value, *rule)
     for name in FLAGS:
         check_arg(name, args[name], bool)
-    require(
-        not (args["thinking"] and args["raw"]),
-        "thinking=True is a mode of the chat template, which raw=True leaves out",
-    )
+    check_modes(args["thinking"], args["raw"])
     require(on_tokens is None or callable(on_tokens), f"on_tokens must be a function (got {on_tokens!r:.80})")
     return list(prompts)
+
+
+def check_modes(thinking, raw):
+    """thinking is a mode of the chat template; raw prompts have none."""
+    require(not (thinking and raw), "thinking=True is a mode of the chat template, which raw=True leaves out")
 
 
 def check_texts(prompts):

@@ -10,7 +10,7 @@ import sys
 import torch
 import torch.distributed as dist
 
-from checks import SAMPLING, check_arg, check_texts, require
+from checks import SAMPLING, check_arg, check_modes, check_texts, require
 
 
 def parse(argv):
@@ -41,8 +41,8 @@ def parse(argv):
 
 
 def read_prompts(args):
-    """The prompts of --prompt and --prompt-file, after checking the sampling numbers (before any work: a
-    model may take minutes to load)."""
+    """The prompts of --prompt and --prompt-file, after checking generate's options as generate will (before
+    any work: a model may take minutes to load)."""
     prompts = list(args.prompt)
     if args.prompt_file:
         try:
@@ -56,16 +56,16 @@ def read_prompts(args):
     check_texts(prompts)
     for name, rule in SAMPLING.items():
         check_arg(name, getattr(args, name), *rule)
-    require(
-        not (args.thinking and args.raw), "--thinking is a mode of the chat template, which --raw leaves out"
-    )
-    if args.kv_cache_gb is not None:
-        check_arg("--kv-cache-gb", args.kv_cache_gb, float, 0, open_low=True)
+    check_modes(args.thinking, args.raw)
     return prompts
 
 
 def engine_options(args):
-    pool = None if args.kv_cache_gb is None else int(args.kv_cache_gb * 2**30)
+    """LLM's options from the command line's (--kv-cache-gb checked, then in bytes)."""
+    pool = None
+    if args.kv_cache_gb is not None:
+        check_arg("--kv-cache-gb", args.kv_cache_gb, float, 0, open_low=True)
+        pool = int(args.kv_cache_gb * 2**30)
     return dict(
         kv_cache_bytes=pool,
         device=args.device,

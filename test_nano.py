@@ -1239,7 +1239,7 @@ def test_cli_bad_input_is_one_clear_line(tiny_dir, tmp_path, case, capsys):
             base[:2] + ["--prompt-file", str(tmp_path / "blank.txt")],
             "blank.txt: no prompt in it (one a line; blank lines are skipped)",
         ),
-        "thinking_raw": (base + ["--thinking", "--raw"], "--thinking is a mode of the chat template"),
+        "thinking_raw": (base + ["--thinking", "--raw"], "thinking=True is a mode of the chat template"),
         "kv_gb_zero": (base + ["--kv-cache-gb", "0"], "--kv-cache-gb must be > 0"),
         "kv_gb_inf": (base + ["--kv-cache-gb", "inf"], "--kv-cache-gb must be a finite number"),
     }[case]
