@@ -1,4 +1,4 @@
-"""bench.py: nano-nsa measured on a GPU. Prints the device, a table per part, and one JSON line at the end.
+"""bench.py: nano-nsa measured on a GPU. Prints the device, markdown tables, and one JSON line at the end.
 
   python bench.py decode --layers 9 --mtp 0 1 3  # full width, batch 1-64, context 1K-128K, MTP off / on
   python bench.py demo                           # the trained demo model: MTP vs none, greedy and sampled
@@ -354,8 +354,8 @@ def decode_mtp(args, model, tok_dir, k, points, bw, extra):
 
 
 def decode(args, out):
-    """Decode rounds on Config.full(--layers) with random FP8 weights: tokens/s and round time vs the HBM
-    roofline measured in the same run, per part, CUDA graphs vs eager, the sparse MLA kernel's TFLOPS."""
+    """Decode rounds on Config.full(--layers), random FP8 weights: tokens/s, round and verify-pass time vs the
+    HBM roofline measured in the same run, the bs=1 round's kernels, graphs vs eager, sparse MLA's TFLOPS."""
     points = [(bs, ctx) for ctx in args.contexts for bs in args.batch if bs * ctx <= args.max_tokens]
     points += [(1, c) for c in args.long]
     refused = check_fits(args.layers, kv_positions(points, max(args.mtp)), torch.cuda.mem_get_info()[0])

@@ -32,7 +32,7 @@ def parse(argv):
     ap.add_argument("--max-context", type=int, help="refuse prompts + max_new_tokens longer than this")
     pool_help = "the KV pool, GiB (default: 0.25 on a CPU, 80%% of the free memory on a GPU)"
     ap.add_argument("--kv-cache-gb", type=float, help=pool_help)
-    kernels_help = "auto: kernels.py on a GPU that supports it; torch: the readable reference path"
+    kernels_help = "auto: kernels.py if the GPU supports it; torch: the references; gpu: kernels.py or error"
     ap.add_argument("--kernels", default="auto", choices=["auto", "torch", "gpu"], help=kernels_help)
     ap.add_argument("--no-cuda-graphs", action="store_true", help="run decode rounds eagerly (GPU)")
     ap.add_argument("--json", action="store_true", help="print one JSON document instead of streaming text")

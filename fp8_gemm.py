@@ -3,7 +3,8 @@
 act_quant (1x128 groups, pow2 scales); _gemm: FP8 (or bf16) GEMM with split-K fixed by the weight's shape, the
 partials summed in order by a tile's last program, long weight walks by TMA; fp8_linear, swiglu_linear,
 dense_linear, head_linear and moe_grouped on it. Each public function's torch reference is the function of the
-same name in nano_nsa.py (moe_grouped's: nano_nsa.moe). kernels.py re-exports every name here.
+same name in nano_nsa.py (moe_grouped's: nano_nsa.moe; swiglu_linear's: w2's half of nano_nsa.mlp). kernels.py
+re-exports every name here.
 """
 
 import torch

@@ -1,8 +1,9 @@
 """DeepSeek-V3.2's official HuggingFace checkpoint format, and the checks that turn a bad model directory into
 one error line before a weight is read: config.json (its names, the values DeepSeek-V3.2 fixes, every field's
 type and range), the safetensors index and every shard's header against the table of the official tensors
-(names, shapes, dtypes; spec section 2), and tokenizer.json. nano_nsa.py's loader calls `check_tensors`;
-Config calls `config_fields` and `check_config`; tools/checkpoint.py writes checkpoints from the same table.
+(names, shapes, dtypes; spec section 2), and tokenizer.json. nano_nsa.py's loader and LLM call
+`open_checkpoint` (config.json, then `check_tensors`); Config calls `check_config` and `read_config`;
+tools/checkpoint.py writes checkpoints from the same table.
 """
 
 import dataclasses

@@ -1,9 +1,8 @@
 #!/usr/bin/env python3
-"""Train nano-nsa's demo model: a tiny DeepSeek-V3.2 that writes Python, in the official FP8 checkpoint
-format.
+"""Train the demo model: a tiny DeepSeek-V3.2 that writes Python, in the official FP8 checkpoint format.
 
-    # a GPU: about 9 minutes in all on an H200 (6.5 minutes of training)
-    python tools/train_demo.py --out demo --minutes 6.5
+    # a GPU: the demo's command, 394 s in all on an H200 (5.8 minutes of training; 2026-11-26, docs/demo.md)
+    python tools/train_demo.py --out demo --minutes 5.8
     python tools/train_demo.py --out /tmp/d --smoke    # any machine: every stage on a few steps (the CI test)
 
 Stages, all in this file:
@@ -23,7 +22,7 @@ Stages, all in this file:
    weights, activations, latent cache and indexer q / k, as DeepSeek-V3 trained in FP8. MoE routing: sigmoid
    scores, group-limited top-k, aux-loss-free balancing (the selection bias moves towards the mean load every
    step). AdamW with fp32 master weights, bf16 autocast on the GPU.
-4. Export through nano_nsa's checkpoint writer (128x128 FP8 blocks, power-of-two scales), then measurement
+4. Export through tools/checkpoint.py's writer (128x128 FP8 blocks, power-of-two scales), then measurement
    through the engine itself: held-out loss from `load_model` prefill logits, MTP acceptance from
    `LLM.generate`. eval.json keeps the held-out chunks, the bf16 model's loss on each (measured here) and the
    held-out prompts.
@@ -31,7 +30,7 @@ Stages, all in this file:
 nano_nsa's layers are inference-only (FP8 parameters without gradients, a KV cache, one Meta per step), so
 this script keeps differentiable copies of them, named as the HF checkpoint names its tensors: the same math
 in the per-head ("MHA") form that DeepSeek trains with. It reuses nano_nsa's Config, YaRN RoPE, Hadamard, FP8
-quantizers, tokenizer and checkpoint writers.
+quantizers and tokenizer, and tools/checkpoint.py's checkpoint writers.
 """
 
 import argparse
