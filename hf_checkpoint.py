@@ -400,7 +400,7 @@ def check_tensors(path, cfg):
     # (the expected table grows with layers x experts: a config.json claiming far more than the shards hold is
     # refused before it is built, which would take minutes and all the memory)
     layers = {name.split(".")[2] for name in found if name.startswith("model.layers.")}
-    experts = {name.split(".")[5] for name in found if ".mlp.experts." in name}
+    experts = {name.split(".mlp.experts.")[1].split(".")[0] for name in found if ".mlp.experts." in name}
     moe = cfg.n_layers - cfg.n_dense_layers + cfg.n_mtp_layers > 0
     for n, what, held in (
         (cfg.n_layers + cfg.n_mtp_layers, "layers", layers),

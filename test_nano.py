@@ -303,7 +303,7 @@ def test_random_model_on_device_equals_written_checkpoint(tiny_dir, model):
         assert torch.equal(p.float(), want[name].float()), name
 
 
-@pytest.mark.parametrize("fault", ["missing", "unexpected", "shape", "dtype"])
+@pytest.mark.parametrize("fault", ["missing", "unexpected", "unexpected_short", "shape", "dtype"])
 def test_loader_rejects_bad_tensors(tiny_dir, tmp_path, fault):
     from safetensors.torch import load_file, save_file
 
@@ -319,6 +319,10 @@ def test_loader_rejects_bad_tensors(tiny_dir, tmp_path, fault):
         message = f"missing tensor {victim}"
     elif fault == "unexpected":
         victim = "model.layers.1.self_attn.rotary_emb.inv_freq"
+        tensors[victim] = torch.zeros(32)
+        message = f"unexpected tensor {victim}"
+    elif fault == "unexpected_short":  # an experts name too short for a layer's (an IndexError once)
+        victim = "model.mlp.experts.0.weight"
         tensors[victim] = torch.zeros(32)
         message = f"unexpected tensor {victim}"
     elif fault == "shape":
