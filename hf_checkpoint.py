@@ -42,6 +42,7 @@ ROPE_NAMES = dict(
     beta_slow="beta_slow",
     mscale="mscale",
 )
+ROPE_KEYS = {"type", "rope_type", "mscale_all_dim", *ROPE_NAMES}  # rope_scaling's keys in DeepSeek-V3.2
 HF_FIXED = dict(
     scoring_func="sigmoid",
     topk_method="noaux_tc",
@@ -129,6 +130,17 @@ def check_hf(path, hf):
     )
     rope_type = rope.get("type", rope.get("rope_type"))
     require(rope_type == "yarn", f"{path}: expected rope_scaling of type yarn")
+    other = sorted(set(rope) - ROPE_KEYS)  # (e.g. attention_factor: HF scales cos / sin by it)
+    require(
+        not other, f"{path}: rope_scaling.{other[0] if other else ''} is not supported (DeepSeek-V3.2's YaRN)"
+    )
+    # HF and vLLM take the softmax scale's mscale from mscale_all_dim, the reference from mscale: the same
+    # math only where they agree (1.0 both in DeepSeek-V3.2)
+    mscale, all_dim = rope.get("mscale", 1.0), rope.get("mscale_all_dim")
+    require(
+        all_dim == mscale,
+        f"{path}: rope_scaling.mscale_all_dim={all_dim!r} must equal rope_scaling.mscale={mscale!r}",
+    )
 
 
 def label(name):

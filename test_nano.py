@@ -2821,6 +2821,13 @@ CONFIG_FAULTS = {  # case: (edit of the HF config dict, or raw file bytes; what 
         dict(rope_scaling=dict(type="linear", factor=40.0)),
         "expected rope_scaling of type yarn",
     ),
+    # HF and vLLM take the softmax scale's mscale from mscale_all_dim (the reference from mscale): refused
+    # unless they agree; keys of other RoPE variants (attention_factor scales cos / sin) change the math too
+    "mscale_all_dim_differs": (
+        "rope_mscale_all_dim",
+        "rope_scaling.mscale_all_dim=0.707 must equal rope_scaling.mscale=1.0",
+    ),
+    "rope_attention_factor": ("rope_attention_factor", "rope_scaling.attention_factor is not supported"),
 }
 
 
@@ -2879,6 +2886,10 @@ def test_broken_config_is_one_clear_line(tmp_path, case, capsys):
         hf = hf_config(m.Config.tiny())
         if edit in ("rope_inf", "rope_half"):
             hf["rope_scaling"]["factor"] = float("inf") if edit == "rope_inf" else 0.5
+        elif edit == "rope_mscale_all_dim":
+            hf["rope_scaling"]["mscale_all_dim"] = 0.707
+        elif edit == "rope_attention_factor":
+            hf["rope_scaling"]["attention_factor"] = 1.2
         else:
             hf.update(edit)
         path.write_text(json.dumps(hf))  # json writes nan / inf as NaN / Infinity, as it reads them
