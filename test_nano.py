@@ -263,6 +263,24 @@ def test_write_load_round_trip_exact(tiny_dir, model):
     assert model.norm.weight.dtype == torch.float32 and model.head.weight.dtype == torch.float32
 
 
+def test_index_total_size_is_the_tensor_bytes(tiny_dir, tmp_path):
+    """model.safetensors.index.json's metadata.total_size is the bytes of every tensor (as in the official
+    index), for the random and the sparse writer alike."""
+    from safetensors import safe_open
+
+    save_sparse_checkpoint(str(tmp_path), m.Config.tiny(), shard_bytes=1 << 20)
+    for path in (tiny_dir, str(tmp_path)):
+        total = 0
+        for file in hf.shard_files(path)[0]:
+            with safe_open(file, "pt") as f:
+                for name in f.keys():
+                    t = f.get_slice(name)
+                    dtype = hf.SAFETENSORS_DTYPES[t.get_dtype()]
+                    total += math.prod(t.get_shape()) * dtype.itemsize
+        with open(os.path.join(path, "model.safetensors.index.json")) as f:
+            assert json.load(f)["metadata"]["total_size"] == total, path
+
+
 def test_weights_dequantized_at_load_give_the_same_logits(tiny_dir, model, monkeypatch):
     """The references' FP8 weights dequantized once at load (DEQUANTIZE_AT_LOAD_BYTES) vs at every call:
     the same values, so bit-identical logits, with and without MTP; the FP8 parameters stay as loaded."""

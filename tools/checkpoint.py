@@ -197,7 +197,7 @@ def save_sparse_checkpoint(path, config: m.Config, shard_bytes: int = 5 << 30):
     os.makedirs(path, exist_ok=True)
     write_json(os.path.join(path, "config.json"), hf_config(config))
     shards = [{}]
-    size = 0
+    size = total = 0
     for name, (shape, kind) in hf.checkpoint_tensors(config).items():
         dtype = {"fp8": m.FP8, "scale": torch.float32}.get(kind) or stored_dtype(name, kind)
         code = {t: name for name, t in hf.SAFETENSORS_DTYPES.items()}[dtype]
@@ -207,6 +207,7 @@ def save_sparse_checkpoint(path, config: m.Config, shard_bytes: int = 5 << 30):
             size = 0
         shards[-1][name] = {"dtype": code, "shape": shape, "data_offsets": [size, size + nbytes]}
         size += nbytes
+        total += nbytes
     weight_map = {}
     for i, header in enumerate(shards):
         fname = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
@@ -217,7 +218,7 @@ def save_sparse_checkpoint(path, config: m.Config, shard_bytes: int = 5 << 30):
         with open(os.path.join(path, fname), "wb") as f:
             f.write(len(text).to_bytes(8, "little") + text)
             f.truncate(8 + len(text) + end)  # a hole: no data written
-    index = {"metadata": {"total_size": 0}, "weight_map": dict(sorted(weight_map.items()))}
+    index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
     write_json(os.path.join(path, "model.safetensors.index.json"), index)
 
 
