@@ -2762,6 +2762,25 @@ def test_damaged_tokenizer_is_one_clear_line(tiny_dir, tmp_path, fault, capsys, 
     assert _cli_error(["--model", bad, "--prompt", "hi"], capsys) == f"error: {e.value}"
 
 
+def test_written_tokenizer_decodes_the_chat_tokens_as_deepseeks_does(tmp_path):
+    """In DeepSeek-V3.2's tokenizer.json BOS / EOS are special (dropped by decode) but <｜User｜>,
+    <｜Assistant｜>, <think> and </think> are not: decode keeps them as text (a thinking answer shows its
+    </think>). The written tokenizer flags them alike."""
+    from tokenizers import Tokenizer
+
+    write_byte_tokenizer(str(tmp_path), 288)
+    tok = Tokenizer.from_file(str(tmp_path / "tokenizer.json"))
+    chat = (m.USER, m.ASSISTANT, m.THINK, m.END_THINK)
+    assert tok.decode([tok.token_to_id(t) for t in (m.BOS, *chat, m.EOS)]) == "".join(chat)
+    special = {
+        t["content"]: t["special"] for t in json.load(open(tmp_path / "tokenizer.json"))["added_tokens"]
+    }
+    real = os.path.join(SHARED, "data", "deepseek-v3.2", "tokenizer.json")
+    if os.path.isfile(real):
+        want = {t["content"]: t["special"] for t in json.load(open(real))["added_tokens"]}
+        assert {t: special[t] for t in m.SPECIAL_TOKENS} == {t: want[t] for t in m.SPECIAL_TOKENS}
+
+
 def test_real_tokenizer_passes_the_checks(tmp_path):
     real = os.path.join(SHARED, "data", "deepseek-v3.2", "tokenizer.json")
     if not os.path.isfile(real):

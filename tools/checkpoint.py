@@ -246,7 +246,13 @@ def write_byte_tokenizer(path, vocab_size):
     tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
     tok.decoder = decoders.ByteLevel()
-    tok.add_special_tokens([AddedToken(t, normalized=False, special=True) for t in specials + placeholders])
+    # as in DeepSeek's tokenizer.json: BOS, EOS and the placeholders special (decode drops them), the chat
+    # format's tokens not (decode keeps <think> / </think> as text)
+    chat = [t for t in specials if t not in (m.BOS, m.EOS)]
+    tok.add_special_tokens(
+        [AddedToken(t, normalized=False, special=True) for t in [m.BOS, m.EOS] + placeholders]
+    )
+    tok.add_tokens([AddedToken(t, normalized=True, special=False) for t in chat])
     save_tokenizer(path, tok)
 
 
