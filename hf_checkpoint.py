@@ -128,8 +128,9 @@ def check_hf(path, hf):
         scale_fmt == "ue8m0",
         f"{path}: scale_fmt {scale_fmt!r} is not supported (DeepSeek-V3.2 uses 'ue8m0')",
     )
-    rope_type = rope.get("type", rope.get("rope_type"))
-    require(rope_type == "yarn", f"{path}: expected rope_scaling of type yarn")
+    rope_types = [rope[k] for k in ("type", "rope_type") if k in rope]  # (HF reads rope_type first)
+    yarn = rope_types and all(t == "yarn" for t in rope_types)
+    require(yarn, f"{path}: expected rope_scaling of type yarn")
     other = sorted(set(rope) - ROPE_KEYS)  # (e.g. attention_factor: HF scales cos / sin by it)
     require(
         not other, f"{path}: rope_scaling.{other[0] if other else ''} is not supported (DeepSeek-V3.2's YaRN)"

@@ -2865,6 +2865,8 @@ CONFIG_FAULTS = {  # case: (edit of the HF config dict, or raw file bytes; what 
         "rope_scaling.mscale_all_dim=0.707 must equal rope_scaling.mscale=1.0",
     ),
     "rope_attention_factor": ("rope_attention_factor", "rope_scaling.attention_factor is not supported"),
+    # HF reads rope_type before type: both must say yarn
+    "rope_type_linear": ("rope_type_linear", "expected rope_scaling of type yarn"),
 }
 
 
@@ -2927,6 +2929,8 @@ def test_broken_config_is_one_clear_line(tmp_path, case, capsys):
             hf["rope_scaling"]["mscale_all_dim"] = 0.707
         elif edit == "rope_attention_factor":
             hf["rope_scaling"]["attention_factor"] = 1.2
+        elif edit == "rope_type_linear":
+            hf["rope_scaling"]["rope_type"] = "linear"
         else:
             hf.update(edit)
         path.write_text(json.dumps(hf))  # json writes nan / inf as NaN / Infinity, as it reads them
