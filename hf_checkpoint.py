@@ -367,6 +367,7 @@ def shard_files(path):
         weight_map = read_json(index).get("weight_map")
         is_map = isinstance(weight_map, dict) and all(isinstance(f, str) for f in weight_map.values())
         require(is_map, f"{index}: expected a weight_map of tensor name -> shard file name")
+        require(weight_map, f"{index}: its weight_map lists no tensors")
         files = sorted(set(weight_map.values()))
     elif os.path.isfile(os.path.join(path, "model.safetensors")):
         files = ["model.safetensors"]

@@ -2598,6 +2598,7 @@ SHARD_FAULTS = [
     "duplicate",
     "index_not_json",
     "index_no_weight_map",
+    "index_empty_weight_map",
     "index_wrong_shard",
     "nan_bf16",
     "nan_fp8",
@@ -2644,6 +2645,9 @@ def _break_index(fault, bad, victim, shard, other):
     if fault == "index_no_weight_map":
         open(index, "w").write(json.dumps({"metadata": doc["metadata"]}))
         return ["model.safetensors.index.json: expected a weight_map"]
+    if fault == "index_empty_weight_map":  # (was: "config.json has 4 layers, but the shards hold ... 0")
+        open(index, "w").write(json.dumps({"metadata": doc["metadata"], "weight_map": {}}))
+        return ["model.safetensors.index.json: its weight_map lists no tensors"]
     doc["weight_map"][victim] = other
     open(index, "w").write(json.dumps(doc))
     return [shard, f"tensor {victim} is in {shard}, but the index says {other}"]
