@@ -1056,10 +1056,10 @@ def mix32(x):
 
 def uniform(seeds, positions, stream, n):
     """Uniform numbers in (0, 1) [*positions.shape, n], a hash of (seed, position, stream, column); seeds
-    (int64, >= 0) broadcast against positions."""
+    (int64, >= 0) broadcast against positions. (^ key twice: no row is a permutation of another's.)"""
     key = mix32(mix32(mix32(seeds & M32) ^ (seeds >> 32)) ^ positions)
     key = mix32(key ^ stream)[..., None]
-    bits = mix32(mix32(key ^ torch.arange(n, device=positions.device)))
+    bits = mix32(mix32(key ^ torch.arange(n, device=positions.device)) ^ key)
     return ((bits >> 8).float() + 0.5) / (1 << 24)  # 24 bits: exact in fp32, never 0 or 1
 
 

@@ -30,7 +30,7 @@ def _row_key(seed_ptr, pos_ptr, r, stream):
 @triton.jit
 def _uniform_block(key, cols):
     """The uniform numbers of a row's columns cols, from its key (24 bits: exact in fp32, never 0 or 1)."""
-    return ((_mix32(_mix32(key ^ cols.to(tl.int64))) >> 8).to(tl.float32) + 0.5) / 16777216.0
+    return ((_mix32(_mix32(key ^ cols.to(tl.int64)) ^ key) >> 8).to(tl.float32) + 0.5) / 16777216.0
 
 
 @triton.jit

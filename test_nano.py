@@ -960,6 +960,16 @@ def test_rejection_sampling_is_exact(monkeypatch, broken):
         assert stat > CHI2_CRIT_DF5, f"the broken rule ({broken}) went undetected: chi2 {stat:.1f}"
 
 
+def test_no_two_rows_of_uniform_numbers_are_a_permutation_of_each_other():
+    """Each (position, stream) of a request draws its own numbers. Columns keyed as mix(key ^ column) made
+    two rows whose keys differ by a small d the same numbers in columns c and c ^ d: a request's draws at
+    such positions were tied (about 250 pairs of positions in 4096 tokens at vocab 129,280; here 7 pairs of
+    rows among 4096 positions x 3 streams at 512 columns)."""
+    positions = torch.arange(4096)
+    rows = torch.cat([m.uniform(torch.tensor(7), positions, s, 512) for s in (m.TARGET, m.DRAFT, m.ACCEPT)])
+    assert len(torch.unique(rows.sort(-1).values, dim=0)) == len(rows)
+
+
 def seeded_sampling_is_batch_invariant(llm, prompts, max_new_tokens):
     """A seeded sampled request's tokens alone, in a batch, in another order and admitted as others finish
     (max_batch 2 on the engine given) are one and the same; returns them."""
