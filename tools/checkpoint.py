@@ -246,14 +246,8 @@ def write_byte_tokenizer(path, vocab_size):
     tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
     tok.decoder = decoders.ByteLevel()
-    # as in DeepSeek's tokenizer.json: BOS, EOS and the placeholders special (decode drops them), the chat
-    # format's tokens not (decode keeps <think> / </think> as text)
-    chat = [t for t in specials if t not in (m.BOS, m.EOS)]
-    tok.add_special_tokens(
-        [AddedToken(t, normalized=False, special=True) for t in [m.BOS, m.EOS] + placeholders]
-    )
-    tok.add_tokens([AddedToken(t, normalized=True, special=False) for t in chat])
-    save_tokenizer(path, tok)
+    tok.add_special_tokens([AddedToken(t, normalized=False, special=True) for t in specials + placeholders])
+    save_tokenizer(path, tok)  # (which makes the chat format's tokens plain added tokens)
 
 
 def added_token(text):
@@ -269,8 +263,14 @@ def added_token(text):
 
 
 def save_tokenizer(path, tok):
-    """tokenizer.json and the tokenizer_config.json of DeepSeek's checkpoints (BOS / EOS / pad tokens)."""
-    tok.save(os.path.join(path, "tokenizer.json"))
+    """tokenizer.json and the tokenizer_config.json of DeepSeek's checkpoints (BOS / EOS / pad tokens). As in
+    DeepSeek-V3.2's tokenizer.json, BOS, EOS and the placeholders are special (decode drops them) and the chat
+    format's tokens are not (decode keeps <think> and </think> as text)."""
+    data = json.loads(tok.to_str())
+    for added in data["added_tokens"]:
+        if added["content"] in (m.USER, m.ASSISTANT, m.THINK, m.END_THINK):
+            added.update(special=False, normalized=True)
+    type(tok).from_str(json.dumps(data)).save(os.path.join(path, "tokenizer.json"))
     config = {
         "add_bos_token": False,
         "add_eos_token": False,
