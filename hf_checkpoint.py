@@ -441,12 +441,18 @@ def check_tensors(path, cfg):
         require(name in found, f"{path}: missing tensor {name} (expected {kind} {shape})")
 
 
-def check_finite(t, what):
+def check_values(t, name, file):
+    """A tensor as read: no nan or inf; an FP8 weight's block scales positive powers of two (scale_fmt ue8m0:
+    what makes a dequantized weight exact in bf16, spec 2.2)."""
     if t.dtype == FP8:
         bad = t.view(torch.uint8) & 0x7F == 0x7F  # e4m3fn's nan (it has no inf)
     else:
         bad = ~t.isfinite()
-    require(not bad.any(), f"{what} holds {int(bad.sum())} nan or inf values")
+    require(not bad.any(), f"{file}: tensor {name} holds {int(bad.sum())} nan or inf values")
+    if name.endswith("_scale_inv"):
+        bad = (t <= 0) | (torch.frexp(t).mantissa != 0.5)
+        what = "block scales that are not positive powers of two (scale_fmt 'ue8m0')"
+        require(not bad.any(), f"{file}: tensor {name} holds {int(bad.sum())} {what}")
 
 
 # ---- tokenizer.json and the demo model ---------------------------------------------------------------------

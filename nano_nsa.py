@@ -991,7 +991,7 @@ def load_model(path, device="cpu", kernels="auto", cfg=None) -> Transformer:
                     part = f.get_slice(name)
                     t = part[rank_slice(part.get_shape(), target.shape)]  # reads this rank's slice only
                     target.copy_(t)
-                    hf_checkpoint.check_finite(target, f"{file}: tensor {name}")
+                    hf_checkpoint.check_values(target, name, file)
                     bar.update(t.numel() * t.element_size())
     del params  # (it would keep the MTP layer's copies of the embedding and head that the next line drops)
     return share_mtp_copies(model).bind(ops)

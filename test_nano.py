@@ -2612,6 +2612,8 @@ SHARD_FAULTS = [
     "index_wrong_shard",
     "nan_bf16",
     "nan_fp8",
+    "scale_not_pow2",
+    "scale_zero",
 ]
 
 
@@ -2665,7 +2667,7 @@ def _break_index(fault, bad, victim, shard, other):
 
 def _break_tensors(fault, bad, file, victim, shard, other):
     """Rewrite a shard's tensors: the victim also in another shard, or one nan in a bf16 tensor, or the fp8
-    nan code in an fp8 one; -> the expected error's parts."""
+    nan code in an fp8 one, or one of the victim's block scales 0.75 or 0; -> the expected error's parts."""
     from safetensors.torch import load_file, save_file
 
     if fault == "duplicate":
@@ -2674,6 +2676,11 @@ def _break_tensors(fault, bad, file, victim, shard, other):
         save_file(tensors, os.path.join(bad, other), metadata={"format": "pt"})
         return [shard, f"tensor {victim} is in both", other]
     tensors = load_file(file)
+    if fault.startswith("scale"):  # a block scale that is not a positive power of two (ue8m0)
+        name = victim + "_scale_inv"
+        tensors[name].view(-1)[1] = 0.75 if fault == "scale_not_pow2" else 0.0
+        save_file(tensors, file, metadata={"format": "pt"})
+        return [shard, f"tensor {name} holds 1 block scales that are not positive powers of two"]
     name = victim if fault == "nan_fp8" else next(k for k, t in tensors.items() if t.dtype == torch.bfloat16)
     flat = tensors[name].view(torch.uint8).flatten() if fault == "nan_fp8" else tensors[name].flatten()
     flat[7] = 0x7F if fault == "nan_fp8" else float("nan")
@@ -2693,7 +2700,7 @@ def test_damaged_shard_is_one_clear_line(tiny_dir, tmp_path, fault, capsys):
     other = next(f for f in sorted(set(weight_map.values())) if f != shard)
     if fault.startswith("index"):
         expect = _break_index(fault, bad, victim, shard, other)
-    elif fault == "duplicate" or fault.startswith("nan"):
+    elif fault == "duplicate" or fault.startswith(("nan", "scale")):
         expect = _break_tensors(fault, bad, file, victim, shard, other)
     else:
         expect = _break_shard_layout(fault, file, victim)
