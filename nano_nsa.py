@@ -1752,9 +1752,9 @@ def main(argv=None):
         llm = LLM(args.model, **cli.engine_options(args))
         stream = cli.TextStream(llm.tokenizer) if cli.streams(args, prompts) and tp_rank() == 0 else None
         results = llm.generate(prompts, on_tokens=stream, **cli.generate_options(args))
-        cli.end_distributed(llm.graphs is not None)
-        if tp_rank() == 0:  # torchrun: every rank computed the same tokens
+        if tp_rank() == 0:  # torchrun: every rank computed the same tokens (asked before leaving the group)
             cli.print_results(args, prompts, results, llm.stats, stream)
+        cli.end_distributed(llm.graphs is not None)
     except (ValueError, OSError, RuntimeError) as e:  # (RuntimeError: out of memory; cli.error raises others)
         return cli.error(e)
     except KeyboardInterrupt:

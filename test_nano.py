@@ -3630,6 +3630,42 @@ def test_tensor_parallel_two_ranks_equal_one(calm_tp_dir, tmp_path):
     assert ranks[0]["accept"] == one["accept"]
 
 
+def test_tensor_parallel_cli_prints_once(calm_tp_dir, tmp_path):
+    """`torchrun --nproc-per-node 2 nano_nsa.py` (gloo on CPU) prints what one process prints: a streamed
+    prompt's text once, one stats line, one --json document (rank 0 only). end_distributed once ran before
+    the rank 0 test: with the group destroyed every rank was rank 0, and printed the results."""
+    dist = pytest.importorskip("torch.distributed")
+    if not dist.is_available() or not dist.is_gloo_available():
+        pytest.skip("torch.distributed with gloo is not available")
+    import subprocess
+
+    here = os.path.dirname(os.path.abspath(__file__))
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    base = ["--model", calm_tp_dir, "--device", "cpu", "--kernels", "torch", "--max-new-tokens", "6"]
+    runs = (["--prompt", "hi", "--mtp", "0"], ["--prompt", "hi", "--prompt", "yo", "--mtp", "2", "--json"])
+    for args in runs:
+        one, two = (
+            subprocess.run(
+                [sys.executable, *launch, os.path.join(here, "nano_nsa.py"), *base, *args],
+                capture_output=True,
+                text=True,
+                env=env,
+                timeout=300,
+                cwd=str(tmp_path),
+            )
+            for launch in ([], ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"])
+        )
+        assert one.returncode == two.returncode == 0, two.stderr[-3000:]
+        if "--json" in args:  # one document (json.loads refuses two), the same results and counts
+            docs = [json.loads(r.stdout) for r in (one, two)]
+            for d in docs:
+                del d["stats"]["seconds"], d["stats"]["tokens_per_s"]
+            assert docs[1] == docs[0] and len(docs[0]["results"]) == 2
+        else:
+            assert two.stdout == one.stdout
+            assert len(re.findall(r"^\[6 tokens in ", two.stderr, re.M)) == 1, two.stderr
+
+
 @gpu
 @pytest.mark.parametrize("n", [2, 4])
 def test_gpu_tensor_parallel_equals_one(calm_tp_dir, tmp_path, n):
