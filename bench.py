@@ -154,8 +154,9 @@ def nbytes(*mods):
 
 def step_bytes(cfg, layers, bs, rows, ctx, experts):
     """Bytes a forward through `layers` must read: each weight it uses once (of the routed experts, the
-    `experts` its tokens chose), per request the top-k latent rows and past top-k all indexer keys."""
-    latent = min(ctx + rows, cfg.index_topk) * (cfg.kv_lora_rank + cfg.qk_rope_head_dim) * 2
+    `experts` its tokens chose), per request the top-k latent rows (the FP8 cache's) and past top-k all
+    indexer keys."""
+    latent = min(ctx + rows, cfg.index_topk) * m.KVCache.row_bytes(cfg)
     index_keys = (ctx + rows) * (cfg.index_head_dim + 4) * (ctx + rows > cfg.index_topk)
     total = 0
     seen = iter(experts)
@@ -239,15 +240,11 @@ def mla_kernel(llm, ctx):
         gen = torch.Generator("cuda").manual_seed(T)
         slots = 1 + torch.randperm(cache.latent.shape[0] - 1, device="cuda", generator=gen)[None, :ctx]
         meta = m.Meta(
-            "decode",
-            torch.full((T,), ctx - 1, device="cuda"),
-            torch.zeros_like(slots[0, :T]),
-            slots,
-            [0, T],
-            ctx,
+            "decode", torch.full((T,), ctx - 1, device="cuda"), torch.zeros_like(slots[0, :T]), slots, [0, T]
         )
         sel = torch.rand(T, ctx, device="cuda", generator=gen).argsort(-1)[:, :K]
-        q = torch.randn(T, H, C, device="cuda", generator=gen)
+        # bf16 as the engine's q (an fp32 one would time the kernel's cast to bf16 too)
+        q = torch.randn(T, H, C, device="cuda", generator=gen).to(m.BF16)
         q_pe = torch.randn(T, H, R, device="cuda", generator=gen).to(m.BF16)
         ms = cuda_time(
             graph_of(functools.partial(kernels.sparse_mla, q, q_pe, cache, sel, meta, cfg.softmax_scale))
@@ -265,8 +262,9 @@ def time_prefill(args, model, tok_dir, extra):
     opts = dict(max_prefill_tokens=4096, cuda_graphs=False, kv_cache_bytes=kv_bytes)
     llm = m.LLM(tok_dir, device="cuda", mtp=0, model=model, **opts)
     prompt = torch.randint(6, model.cfg.vocab_size, (args.prefill,)).tolist()
-    llm.generate([prompt[:4096]], max_new_tokens=1)  # warm-up (JIT builds)
-    extra["prefill_s"] = host_time(lambda: llm.generate([prompt], max_new_tokens=1), iters=1, warmup=0) / 1e3
+    # warm-up on the same prompt: Triton specializes integer arguments on divisibility by 16, so a shorter
+    # warm-up prompt's 4095 rows would leave the 4096-row chunks' kernels to be built inside the timed call
+    extra["prefill_s"] = host_time(lambda: llm.generate([prompt], max_new_tokens=1), iters=1, warmup=1) / 1e3
     print(f"prefill of a {args.prefill}-token prompt: {extra['prefill_s']:.2f} s", flush=True)
 
 
@@ -339,11 +337,12 @@ def decode_mtp(args, model, tok_dir, k, points, bw, extra):
             extra[f"round_mtp{k}"] = round_profile(llm, ctx, row["round_ms"], replay)
         elif bs == max(args.batch) and ctx == points[0][1]:  # where the time of the largest batch goes
             extra[f"profile_mtp{k}_bs{bs}"] = profile_replay(replay, model.cfg.n_layers, bs)
-    graphs = llm.graphs
-    llm.graphs = None  # CUDA graphs vs eager, bs=1 at the first context
-    eager_ms, _ = time_rounds(llm, 1, args.contexts[0], rounds=4)
-    llm.graphs = graphs
-    versus = dict(eager_ms=eager_ms, graphs_ms=rows[0]["round_ms"], setup_s=t_setup, capture_s=sum(captures))
+    graphs, times = llm.graphs, ([], [])  # CUDA graphs vs eager, bs=1 at the first context: interleaved
+    for _ in range(3):
+        for t, llm.graphs in zip(times, (None, graphs), strict=True):  # (ends with llm.graphs = graphs)
+            t.append(time_rounds(llm, 1, args.contexts[0], rounds=4)[0])
+    eager_ms, graphs_ms = map(statistics.median, times)
+    versus = dict(eager_ms=eager_ms, graphs_ms=graphs_ms, setup_s=t_setup, capture_s=sum(captures))
     extra[f"eager_vs_graphs_mtp{k}"] = dict(versus, graphs=len(graphs.graphs))
     if k == max(args.mtp):
         extra["mla_kernel"] = mla_kernel(llm, args.contexts[0])
@@ -485,6 +484,8 @@ def main():
     if not torch.cuda.is_available():
         sys.exit("bench.py needs a CUDA GPU")
     m.init_distributed(torch.device("cuda"))  # torchrun --nproc-per-node N: N ranks, one GPU each
+    if m.tp_rank():  # rank 0 prints the tables and the JSON line (not once per rank)
+        sys.stdout = open(os.devnull, "w")
     out = dict(device=torch.cuda.get_device_name(), date=time.strftime("%Y-%m-%d"), torch=torch.__version__)
     print(f"device: {out['device']}, torch {out['torch']}, {out['date']}")
     for what in args.what:
