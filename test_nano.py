@@ -1468,6 +1468,43 @@ def test_mtp_drafts_match_recomputed_mtp(tiny_dir, tmp_path, monkeypatch, mtp_la
     assert checked >= 8
 
 
+def test_draft_extend_writes_the_kv_of_emitted_rows_only(tiny_dir, monkeypatch):
+    """Draft-extend runs the MTP layer over every verify row, but only the rows whose token was emitted write
+    their KV (their positions' slots); the rows past what a request emitted write the dummy slot 0, with token
+    0. Drafts accepted in runs of every length (an oracle), so every split of a round is seen."""
+    llm = make_llm(tiny_dir, 3)
+    prompts = mixed_prompts(4)
+    ref = [r.token_ids for r in make_llm(tiny_dir, 0).generate(prompts, max_new_tokens=14)]
+    oracle_drafts(monkeypatch, prompts, ref, wrong_every=5)
+    calls, rounds = [], []
+    mtp_forward = llm.model.mtp_forward
+
+    def spy_mtp(tokens, h, meta, cache):
+        calls.append((tokens.clone(), meta.slots.clone(), meta.table[meta.row_req, meta.positions]))
+        return mtp_forward(tokens, h, meta, cache)
+
+    round_ = m.speculative_round
+
+    def spy_round(model, cache, batch, table):
+        first = len(calls)
+        out, logits = round_(model, cache, batch, table)
+        rounds.append((calls[first], out[:, :-1].clone(), out[:, -1].clone()))
+        return out, logits
+
+    monkeypatch.setattr(llm.model, "mtp_forward", spy_mtp)
+    monkeypatch.setattr(m, "speculative_round", spy_round)
+    assert [r.token_ids for r in llm.generate(prompts, max_new_tokens=14, seed=0)] == ref
+    seen = set()
+    for (tokens, slots, own), emitted, counts in rounds:
+        B = len(counts)
+        kept = torch.arange(4)[None, :] < counts[:, None]  # [B, k+1]
+        assert torch.equal(slots.view(B, 4), torch.where(kept, own.view(B, 4), 0))
+        assert (own.view(B, 4)[kept] > 0).all()
+        assert torch.equal(tokens.view(B, 4), torch.where(kept, emitted, 0))
+        seen |= set(counts.tolist())
+    assert seen == {1, 2, 3, 4}, seen
+
+
 def test_bench_refuses_what_does_not_fit_in_one_line():
     """bench.py decode checks the full-width model and its KV pool against the GPU's free memory before it
     allocates: on an 80 GB H100 (about 78 GiB free) the README's 9 layers are refused in one line that names
