@@ -1505,6 +1505,37 @@ def test_draft_extend_writes_the_kv_of_emitted_rows_only(tiny_dir, monkeypatch):
     assert seen == {1, 2, 3, 4}, seen
 
 
+def test_sampled_drafts_draw_from_their_own_stream(tiny_dir):
+    """A sampled draft of position p is the exponential race over its distribution q with the numbers of
+    (seed, p, DRAFT): not TARGET's, which the main model's residual draw at p uses (the same numbers would tie
+    the two draws, and the emitted token would no longer follow the main model)."""
+    model = make_llm(tiny_dir, 2).model
+    cfg, B, k = model.cfg, 8, 2
+    g = torch.Generator().manual_seed(22)
+    h = (torch.randn(B, cfg.dim, generator=g)).to(torch.bfloat16)
+    start = torch.randint(1, 20, (B,), generator=g)
+    table = torch.arange(1, 1 + B * 32).view(B, 32)
+    seeds = torch.randint(0, 2**40, (B,), generator=g)
+    batch = m.Batch(
+        torch.zeros(B, k + 1, dtype=torch.long),
+        start,
+        None,
+        seeds,
+        torch.full((B,), 1.5),
+        torch.ones(B),
+        True,
+    )
+    drafts, q = m.draft(model, m.KVCache(cfg, 1 + B * 32), h, start, batch, table)
+
+    def race(stream, j):
+        e = -torch.log(m.uniform(seeds, start + j + 1, stream, cfg.vocab_size)).double()
+        return (q[:, j].double() / e).argmax(-1)
+
+    for j in range(k):
+        assert torch.equal(drafts[:, j], race(m.DRAFT, j)), f"draft {j + 1}"
+    assert any(not torch.equal(race(m.DRAFT, j), race(m.TARGET, j)) for j in range(k))
+
+
 def test_bench_refuses_what_does_not_fit_in_one_line():
     """bench.py decode checks the full-width model and its KV pool against the GPU's free memory before it
     allocates: on an 80 GB H100 (about 78 GiB free) the README's 9 layers are refused in one line that names
@@ -1550,13 +1581,16 @@ def test_cuda_graph_buckets_split_evenly_over_tp_ranks():
 
 
 def test_verify_and_draft_extend_use_the_decode_path(tiny_dir, monkeypatch):
-    """Outside prefill steps, no row goes through the per-head (prefill) attention form."""
+    """Outside prefill steps, no row goes through the per-head (prefill) attention form (which the short
+    prompts' prefill chunks do go through: the spy sees them)."""
     llm = make_llm(tiny_dir, 3)
     in_round = [False]
+    rounds, dense = [], []
     orig_round, orig_attend = m.LLM.decode, m.MLA.attend_dense
 
     def decode_round(self, reqs):
         in_round[0] = True
+        rounds.append(len(reqs))
         try:
             return orig_round(self, reqs)
         finally:
@@ -1564,11 +1598,13 @@ def test_verify_and_draft_extend_use_the_decode_path(tiny_dir, monkeypatch):
 
     def attend(self, *a, **k):
         assert not in_round[0], "a decode round used the prefill attention path"
+        dense.append(1)
         return orig_attend(self, *a, **k)
 
     monkeypatch.setattr(m.LLM, "decode", decode_round)
     monkeypatch.setattr(m.MLA, "attend_dense", attend)
     llm.generate(mixed_prompts(3), max_new_tokens=6)
+    assert dense and rounds, (len(dense), rounds)  # both paths ran: the spies saw them
 
 
 # ------------------------------------------------------------------------------------------------------------
@@ -3200,6 +3236,41 @@ def test_tiny_top_p_keeps_the_most_likely_token(tiny_dir):
     greedy = llm.generate(["hi", [7, 8, 9]], max_new_tokens=6)
     tiny = llm.generate(["hi", [7, 8, 9]], max_new_tokens=6, temperature=0.7, top_p=1e-300, seed=1)
     assert [r.token_ids for r in tiny] == [r.token_ids for r in greedy]
+
+
+def test_probs_from_logits_matches_a_nucleus_written_from_its_definition():
+    """probs_from_logits against the nucleus by its definition, token by token: softmax(logits / T) in fp64,
+    the tokens by decreasing probability until they hold top_p (a token is in while the mass before it is
+    below top_p), renormalized; one-hot on the argmax at T = 0. Fresh random logits and parameters, and rows
+    of equal logits where a cumulative mass equals top_p exactly (V = 8: every mass is a multiple of 1/8), the
+    edge where the nucleus must end."""
+    g = torch.Generator().manual_seed(21)
+    B, V = 12, 50
+    logits = torch.randn(B, V, generator=g) * 3
+    temperature = torch.rand(B, generator=g) * 1.5 + 0.1
+    temperature[:2] = 0.0
+    top_p = torch.rand(B, generator=g)
+    top_p[2] = 1.0
+    edge = torch.full((4, 8), float(torch.randn(1, generator=g)))  # p = 1/8 each, masses j/8 exact
+    edge_p = torch.tensor([1 / 8, 3 / 8, 1 / 2, 7 / 8])
+
+    def nucleus(row, t, top):
+        if t == 0:
+            return F.one_hot(row.argmax(), len(row)).double()
+        p = torch.softmax(row.double() / float(t), -1)
+        keep, mass = torch.zeros(len(row), dtype=torch.bool), 0.0
+        for i in p.argsort(descending=True, stable=True).tolist():
+            if mass >= float(top) and float(top) < 1:
+                break
+            keep[i], mass = True, mass + float(p[i])
+        return torch.where(keep, p, 0.0) / p[keep].sum()
+
+    for rows, ts, tops in ((logits, temperature, top_p), (edge, torch.rand(4, generator=g) + 0.5, edge_p)):
+        got = m.probs_from_logits(rows, ts, tops)
+        want = torch.stack([nucleus(*args) for args in zip(rows, ts, tops, strict=True)])
+        assert torch.equal(got > 0, want > 0)
+        assert (got - want).abs().max() < 1e-12
+    assert [int((r > 0).sum()) for r in got] == [1, 3, 4, 7]
 
 
 def test_a_numpy_integer_seed_is_its_int(tiny_dir):
