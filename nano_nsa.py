@@ -1055,18 +1055,28 @@ def mix32(x):
 
 
 def uniform(seeds, positions, stream, n):
-    """Uniform numbers in (0, 1) [*positions.shape, n], a hash of (seed, position, stream, column); seeds
-    (int64, >= 0) broadcast against positions. (^ key twice: no row is a permutation of another's.)"""
+    """Uniform numbers in (0, 1] [*positions.shape, n], a hash of (seed, position, stream, column); seeds
+    (int64, >= 0) broadcast against positions. (^ key twice: no row is a permutation of another's.) 32 bits in
+    fp32: near 0 as fine as 2^-32, where `sample` decides the unlikely tokens; 1 with probability 2^-25."""
     key = mix32(mix32(mix32(seeds & M32) ^ (seeds >> 32)) ^ positions)
     key = mix32(key ^ stream)[..., None]
     bits = mix32(mix32(key ^ torch.arange(n, device=positions.device)) ^ key)
-    return ((bits >> 8).float() + 0.5) / (1 << 24)  # 24 bits: exact in fp32, never 0 or 1
+    return (bits.float() + 0.5) / 2**32
+
+
+def exponential(u):
+    """E = -log(1 - u) ~ Exp(1) for u uniform, computed as log1p is (Goldberg's form): exact where u is small,
+    where the race decides the unlikely tokens (-log u, whose u near 1 is only as fine as 2^-24, floored E at
+    3e-8). u = 1 gives inf: that token sits the race out."""
+    w = 1 - u
+    return torch.where(w == 1, u, -torch.log(w) * u / (1 - w))
 
 
 def sample(probs, seeds, positions, stream):
     """One draw from each row of probs [..., V] (weights, not necessarily normalized) by the exponential race:
-    argmax p / E with E ~ Exp(1) is an exact draw from p, with no host round trip (E from `uniform`)."""
-    e = -torch.log(uniform(seeds, positions, stream, probs.shape[-1]))
+    argmax p / E with E ~ Exp(1) is an exact draw from p, with no host round trip (E from `uniform`'s numbers:
+    a token of probability down to about 1e-10 wins as often as it should)."""
+    e = exponential(uniform(seeds, positions, stream, probs.shape[-1]))
     return (probs / e.to(probs.dtype)).argmax(-1)
 
 

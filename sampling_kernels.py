@@ -29,8 +29,15 @@ def _row_key(seed_ptr, pos_ptr, r, stream):
 
 @triton.jit
 def _uniform_block(key, cols):
-    """The uniform numbers of a row's columns cols, from its key (24 bits: exact in fp32, never 0 or 1)."""
-    return ((_mix32(_mix32(key ^ cols.to(tl.int64)) ^ key) >> 8).to(tl.float32) + 0.5) / 16777216.0
+    """The uniform numbers of a row's columns cols, from its key (32 bits in fp32, in (0, 1])."""
+    return (_mix32(_mix32(key ^ cols.to(tl.int64)) ^ key).to(tl.float32) + 0.5) / 4294967296.0
+
+
+@triton.jit
+def _exponential(u):
+    """nano_nsa.exponential: E = -log(1 - u), in the same steps (log1p's Goldberg form)."""
+    w = 1.0 - u
+    return tl.where(w == 1.0, u, -tl.log(w) * u / (1.0 - w))
 
 
 @triton.jit
@@ -116,8 +123,8 @@ def _sample_kernel(
     CHUNK: tl.constexpr,
     SP: tl.constexpr,
 ):
-    """Phase 0, per chunk: its max of the race p / E (E = -log u, u as _uniform_kernel makes them; -1 past
-    the row) and its first index. Phase 1, chunk 0: the row's first argmax."""
+    """Phase 0, per chunk: its max of the race p / E (E = _exponential(u), u as _uniform_kernel makes them;
+    -1 past the row) and its first index. Phase 1, chunk 0: the row's first argmax."""
     r, c = tl.program_id(0), tl.program_id(1)
     ws = ws_ptr + r.to(tl.int64) * 2 * tl.num_programs(1)
     for phase in tl.static_range(FIRST, LAST + 1):
@@ -127,7 +134,7 @@ def _sample_kernel(
             for i in range(0, CHUNK, 1024):
                 cols = c * CHUNK + i + tl.arange(0, 1024)
                 p = tl.load(p_ptr + r.to(tl.int64) * V + cols, mask=cols < V, other=-1.0)
-                race = tl.where(cols < V, p / -tl.log(_uniform_block(key, cols)), -1.0)
+                race = tl.where(cols < V, p / _exponential(_uniform_block(key, cols)), -1.0)
                 first = tl.where(tl.max(race, 0) > best, c * CHUNK + i + tl.argmax(race, 0), first)
                 best = tl.maximum(best, tl.max(race, 0))
             tl.store(ws + c, best)

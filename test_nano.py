@@ -1027,6 +1027,23 @@ def test_no_two_rows_of_uniform_numbers_are_a_permutation_of_each_other():
     assert len(torch.unique(rows.sort(-1).values, dim=0)) == len(rows)
 
 
+def test_the_race_draws_unlikely_tokens_as_often_as_they_should():
+    """A token of probability p wins the exponential race when its E is below about p times the winner's: so
+    for p down to 1e-10 the numbers must reach that small an E. `uniform`'s smallest numbers lie on a 2^-32
+    grid, and `exponential` maps them to -log1p(-u) (fp64, torch's own) within fp32 rounding, everywhere in
+    (0, 1]. (As -log u of 24-bit numbers, E was never below 3e-8: a token of 7.5e-9 was drawn at 0.15x.)"""
+    u = m.uniform(torch.tensor(3), torch.arange(64), m.TARGET, 1 << 16)  # 4M numbers
+    small = u[u < 2**-12].double() * 2**32 - 0.5
+    assert len(small) > 500 and torch.equal(small, small.round())  # on the 2^-32 grid
+    grid = torch.cat([(torch.arange(64) + 0.5) / 2**32, u.flatten()[:4096], torch.tensor([1 - 2**-24])])
+    want = -torch.log1p(-grid.double())
+    assert ((m.exponential(grid.float()).double() - want).abs() / want).max() < 1e-6
+    assert m.exponential(torch.tensor([1.0])).isinf().all()  # (probability 2^-25: that token sits out)
+    probs = torch.tensor([[1 - 1e-9, 1e-9]]).double()  # the tiny token wins iff E1 < 1e-9 E0 (about)
+    e = m.exponential(torch.tensor([[0.5, 2.5 / 2**32]]))  # its u the third smallest number
+    assert (probs / e.double()).argmax(-1).item() == 1
+
+
 def seeded_sampling_is_batch_invariant(llm, prompts, max_new_tokens):
     """A seeded sampled request's tokens alone, in a batch, in another order and admitted as others finish
     (max_batch 2 on the engine given) are one and the same; returns them."""
@@ -1528,7 +1545,7 @@ def test_sampled_drafts_draw_from_their_own_stream(tiny_dir):
     drafts, q = m.draft(model, m.KVCache(cfg, 1 + B * 32), h, start, batch, table)
 
     def race(stream, j):
-        e = -torch.log(m.uniform(seeds, start + j + 1, stream, cfg.vocab_size)).double()
+        e = m.exponential(m.uniform(seeds, start + j + 1, stream, cfg.vocab_size)).double()
         return (q[:, j].double() / e).argmax(-1)
 
     for j in range(k):
@@ -2172,6 +2189,7 @@ for V in (7, 1500, 5000):
     positions = torch.randint(0, 10**6, (2,), generator=gen)
     p = want.float()
     assert torch.equal(k.sample(p, seeds, positions, m.DRAFT), m.sample(p, seeds, positions, m.DRAFT)), V
+    assert torch.equal(k.uniform(seeds, positions, m.ACCEPT, V), m.uniform(seeds, positions, m.ACCEPT, V)), V
 print("ok")
 """
 
