@@ -1298,6 +1298,9 @@ def test_cli_end_to_end(tiny_dir, tmp_path):
     doc = json.loads(r.stdout)
     assert len(doc["results"]) == 2 and all(len(x["token_ids"]) <= 5 for x in doc["results"])
     assert doc["stats"]["tokens"] == sum(len(x["token_ids"]) for x in doc["results"])
+    # the API's tokens and texts for the same settings (the CLI's defaults: --seed 0, --mtp 1)
+    api = make_llm(tiny_dir, 1).generate(["a", "bb"], max_new_tokens=5, temperature=0.7, top_p=0.9, seed=0)
+    assert [(x["token_ids"], x["text"]) for x in doc["results"]] == [(r.token_ids, r.text) for r in api]
 
 
 @pytest.mark.parametrize(
