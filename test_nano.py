@@ -493,32 +493,53 @@ def test_hadamard_and_rope_match_references():
 # ------------------------------------------------------------------------------------------------------------
 def _prefill_then_decode(model, prompt, extra):
     """Prefill `prompt`, then run `extra` tokens as verify rows (each its own decode row); capture layer-1
-    attention input, selection and o_proj input of the verify pass."""
+    attention input of both passes (joined: [len(prompt) + len(extra), dim], row p = position p), and the
+    selection and o_proj input of the verify pass."""
     cache = m.KVCache(model.cfg, 512)
     table = torch.randperm(512)[None]
-    model(prompt, m.Meta.build("prefill", [0], [len(prompt)], table), cache)
-    ins, sel, o = [], [], []
     attn = model.layers[1].attn
+    ins, sel, o = [], [], []
+    hook = capture(attn, ins)
+    model(prompt, m.Meta.build("prefill", [0], [len(prompt)], table), cache)
+    hook.remove()
     hooks = [capture(attn, ins), capture(attn.indexer, sel, "output"), capture(attn.wo, o)]
     meta = m.Meta.build("decode", [len(prompt)], [len(extra)], table)
     model(extra, meta, cache)
     for hk in hooks:
         hk.remove()
-    return attn, ins[0][0], sel[0], o[0][0], meta, cache
+    return attn, torch.cat([ins[0][0], ins[1][0]]), sel[0], o[0][0], meta
 
 
 def test_absorbed_decode_equals_naive_per_head_mla(model):
+    """Sparse absorbed decode (MLA.forward -> sparse_mla over the FP8 cache) vs naive_mla, per-head MLA in
+    fp64 over the indexer's selection. The reference never reads the KV cache: every context position's
+    latent is recomputed from layer 1's attention input at that position (the prompt's, captured during its
+    prefill; the verify rows' own) as spec 3.6 caches it: kv_a = wkv_a(x) (projection, i.e. m.fp8_linear,
+    checked against spec 3.3 by test_activation_quantization_before_fp8_linear), kv = RMSNorm(kv_a[:C])
+    with kv_norm's weight (spec 3.2, written here) rounded through FP8 in 1x128 groups with pow2 scales
+    (fake_quant_ref), k_pe = kv_a[C:] rotated by interleaved RoPE at its position (rope_ref). A latent
+    written to the wrong slot, stored without the norm or the FP8 round trip, or a cached key left unrotated
+    is then not shared by both sides. (Bound: the latents equal the cache's bit for bit, so only o's bf16
+    rounding remains, within half an ulp: the bound assert_bf16_close already is.)"""
+    cfg = model.cfg
+    C = cfg.kv_lora_rank
     torch.manual_seed(5)
-    prompt = torch.randint(6, model.cfg.vocab_size, (50,))
-    extra = torch.randint(6, model.cfg.vocab_size, (3,))
-    attn, x, sel, o, meta, cache = _prefill_then_decode(model, prompt, extra)
-    n = int(meta.ctx_lens.max())
-    ctx = meta.table[0, :n]
+    prompt = torch.randint(6, cfg.vocab_size, (50,))
+    extra = torch.randint(6, cfg.vocab_size, (3,))
+    attn, x_all, sel, o, meta = _prefill_then_decode(model, prompt, extra)
+    n = len(prompt) + len(extra)
+    assert int(meta.ctx_lens.max()) == n and meta.positions.tolist() == list(range(len(prompt), n))
+    kv_a = projection(attn, "wkv_a", x_all)  # [n, C + R] bf16
+    kv = kv_a[:, :C].float()
+    kv = (attn.kv_norm.weight * kv * torch.rsqrt(kv.pow(2).mean(-1, keepdim=True) + cfg.eps)).bfloat16()
+    latent = fake_quant_ref(kv)  # [n, C] fp64
+    kpe = rope_ref(kv_a[:, C:], torch.arange(n), cfg, interleaved=True)  # [n, R] bf16
     allowed = torch.zeros(len(extra), n, dtype=torch.bool)
     for t in range(len(extra)):
         allowed[t, sel[t][sel[t] >= 0]] = True
-    assert allowed.sum(1).tolist() == [model.cfg.index_topk] * 3  # 51..53 context, top-32 each
-    want = naive_mla(attn, x, meta.positions, *cache.layer(1).latents(ctx), allowed)
+    assert allowed.sum(1).tolist() == [cfg.index_topk] * 3  # 51..53 context, top-32 each
+    assert not allowed[:, len(prompt) + 1 :].triu().any()  # causal: row t sees positions <= 50 + t
+    want = naive_mla(attn, x_all[len(prompt) :], meta.positions, latent, kpe, allowed)
     assert_bf16_close(o, want, "absorbed vs per-head")
 
 
