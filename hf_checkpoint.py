@@ -139,6 +139,9 @@ def check_hf(path, hf):
     # math only where they agree (1.0 both in DeepSeek-V3.2)
     mscale, all_dim = rope.get("mscale", 1.0), rope.get("mscale_all_dim")
     require(
+        all_dim is not None, f"{path}: rope_scaling has no mscale_all_dim (DeepSeek-V3.2's: 1.0, as mscale)"
+    )
+    require(
         all_dim == mscale,
         f"{path}: rope_scaling.mscale_all_dim={all_dim!r} must equal rope_scaling.mscale={mscale!r}",
     )

@@ -3057,6 +3057,7 @@ CONFIG_FAULTS = {  # case: (edit of the HF config dict, or raw file bytes; what 
         "rope_mscale_all_dim",
         "rope_scaling.mscale_all_dim=0.707 must equal rope_scaling.mscale=1.0",
     ),
+    "mscale_all_dim_missing": ("rope_no_mscale_all_dim", "rope_scaling has no mscale_all_dim"),
     "rope_attention_factor": ("rope_attention_factor", "rope_scaling.attention_factor is not supported"),
     # HF reads rope_type before type: both must say yarn
     "rope_type_linear": ("rope_type_linear", "expected rope_scaling of type yarn"),
@@ -3120,6 +3121,8 @@ def test_broken_config_is_one_clear_line(tmp_path, case, capsys):
             hf["rope_scaling"]["factor"] = float("inf") if edit == "rope_inf" else 0.5
         elif edit == "rope_mscale_all_dim":
             hf["rope_scaling"]["mscale_all_dim"] = 0.707
+        elif edit == "rope_no_mscale_all_dim":  # (HF then applies no mscale to the softmax scale)
+            del hf["rope_scaling"]["mscale_all_dim"]
         elif edit == "rope_attention_factor":
             hf["rope_scaling"]["attention_factor"] = 1.2
         elif edit == "rope_type_linear":
