@@ -60,6 +60,12 @@ def fake_quant_ref(x):
     return ((g / s).clamp(-448, 448).float().to(torch.float8_e4m3fn).double() * s).reshape(x.shape)
 
 
+def rms_norm_ref(x, weight, eps):
+    """RMSNorm as the reference's (spec 3.2): fp32 math with the fp32 weight, bf16 out."""
+    x = x.float()
+    return (weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps))).to(torch.bfloat16)
+
+
 def sylvester(n):
     h = torch.ones(1, 1, dtype=torch.float64)
     while h.shape[0] < n:
@@ -429,7 +435,7 @@ def test_final_norm_hidden_is_what_mtp_and_head_see(model):
     got, h, _, _ = prefill_capturing(model, 12, 3, {"last": (model.layers[-1], "output")})
     x, residual = got["last"]  # the last FFN half as its unrounded sum: the norm rounds it to bf16 first
     r = x.to(torch.bfloat16).float() + residual.float()
-    want = (model.norm.weight * r * torch.rsqrt(r.pow(2).mean(-1, keepdim=True) + 1e-6)).to(torch.bfloat16)
+    want = rms_norm_ref(r, model.norm.weight, model.cfg.eps)
     assert torch.equal(h, want), "forward must return the hidden state after the final norm"
     assert not torch.equal(h, r.to(torch.bfloat16))
     assert torch.equal(model.logits(h), (h.double() @ model.head.weight.double().T).float())
@@ -440,12 +446,8 @@ def test_residual_stream_adds_every_half(model):
     embedding plus every earlier half's output, each rounded to bf16 as the reference's layers return them,
     the stream rounded to bf16 after each add) plus the last half's output, normed in fp32 as it is (the fused
     add + norm); the final norm sees the sum after the last half. Half outputs and norm inputs are captured at
-    the attention and FFN modules; the norm is written here."""
+    the attention and FFN modules; the norm is rms_norm_ref, written from the spec."""
     cfg = model.cfg
-
-    def rms(v, w):
-        return (w * (v * torch.rsqrt(v.pow(2).mean(-1, keepdim=True) + cfg.eps))).to(torch.bfloat16)
-
     taps = {}
     norms = []  # (layer, half, its norm) in the order they run
     for i, layer in enumerate(model.layers):
@@ -464,9 +466,12 @@ def test_residual_stream_adds_every_half(model):
     out = F.embedding(tokens, model.embed.weight)  # what the first norm adds to it
     for i, half, norm in norms:
         total = stream + out.to(torch.bfloat16).float()
-        assert torch.equal(got[(i, half, "in")][0][0], rms(total, norm.weight)), f"layer {i} {half} input"
+        want = rms_norm_ref(total, norm.weight, cfg.eps)
+        assert torch.equal(got[(i, half, "in")][0][0], want), f"layer {i} {half} input"
         stream, out = total.to(torch.bfloat16).float(), got[(i, half, "out")][0]
-    assert torch.equal(h, rms(stream + out.to(torch.bfloat16).float(), model.norm.weight)), "final norm"
+    assert torch.equal(
+        h, rms_norm_ref(stream + out.to(torch.bfloat16).float(), model.norm.weight, cfg.eps)
+    ), "final norm"
 
 
 def test_hadamard_and_rope_match_references():
@@ -516,7 +521,7 @@ def test_absorbed_decode_equals_naive_per_head_mla(model):
     latent is recomputed from layer 1's attention input at that position (the prompt's, captured during its
     prefill; the verify rows' own) as spec 3.6 caches it: kv_a = wkv_a(x) (projection, i.e. m.fp8_linear,
     checked against spec 3.3 by test_activation_quantization_before_fp8_linear), kv = RMSNorm(kv_a[:C])
-    with kv_norm's weight (spec 3.2, written here) rounded through FP8 in 1x128 groups with pow2 scales
+    with kv_norm's weight (spec 3.2, rms_norm_ref) rounded through FP8 in 1x128 groups with pow2 scales
     (fake_quant_ref), k_pe = kv_a[C:] rotated by interleaved RoPE at its position (rope_ref). A latent
     written to the wrong slot, stored without the norm or the FP8 round trip, or a cached key left unrotated
     is then not shared by both sides. (Bound: the latents equal the cache's bit for bit, so only o's bf16
@@ -531,7 +536,7 @@ def test_absorbed_decode_equals_naive_per_head_mla(model):
     assert int(meta.ctx_lens.max()) == n and meta.positions.tolist() == list(range(len(prompt), n))
     kv_a = projection(attn, "wkv_a", x_all)  # [n, C + R] bf16
     kv = kv_a[:, :C].float()
-    kv = (attn.kv_norm.weight * kv * torch.rsqrt(kv.pow(2).mean(-1, keepdim=True) + cfg.eps)).bfloat16()
+    kv = rms_norm_ref(kv, attn.kv_norm.weight, cfg.eps)
     latent = fake_quant_ref(kv)  # [n, C] fp64
     kpe = rope_ref(kv_a[:, C:], torch.arange(n), cfg, interleaved=True)  # [n, R] bf16
     allowed = torch.zeros(len(extra), n, dtype=torch.bool)
@@ -757,21 +762,19 @@ def test_mtp_layer_matches_spec(model):
     got_h = model.mtp_forward(nxt, h, meta, cache)
     got = model.mtp[0].logits(got_h)
 
-    def rms(x, w):
-        x = x.float()
-        return (w * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + cfg.eps))).to(torch.bfloat16)  # as [R]
-
     mtp = model.mtp[0]
     e = F.embedding(nxt, mtp.embed.weight)
     u = (
-        torch.cat([rms(e, mtp.enorm.weight), rms(h, mtp.hnorm.weight)], -1).double()
+        torch.cat(
+            [rms_norm_ref(e, mtp.enorm.weight, cfg.eps), rms_norm_ref(h, mtp.hnorm.weight, cfg.eps)], -1
+        ).double()
         @ mtp.eh_proj.weight.double().T
     ).to(torch.bfloat16)
     cache2 = m.KVCache(cfg, 512)
     cos, sin = m.rope_cos_sin(cfg, meta.positions)
     # x: the FFN half's unrounded sum; the residual stream starts at -0.0, as the engine's
     x, res = mtp.block(u, torch.full_like(u, -0.0), cos, sin, meta, cache2.layer(cfg.n_layers))
-    want_h = rms(x.to(torch.bfloat16).float() + res.float(), mtp.shared_head.norm.weight)
+    want_h = rms_norm_ref(x.to(torch.bfloat16).float() + res.float(), mtp.shared_head.norm.weight, cfg.eps)
     want = (want_h.double() @ model.head.weight.double().T).float()  # shared_head.head == lm_head copy
     assert torch.equal(got_h, want_h)
     assert (got - want).abs().max() <= 1e-5 * want.abs().max()
