@@ -1284,18 +1284,20 @@ def test_chat_encoding_with_real_tokenizer():
     assert plain == [0, 128803, 33310, 128804, 128799]
 
 
-def _cli(args, _unused=None):
+def _cli(args, _unused=None, launch=(), cwd=None):
+    """`python [launch...] nano_nsa.py args` (launch: e.g. torchrun's module and options)."""
     import subprocess
     import sys
 
     env = dict(os.environ, OMP_NUM_THREADS="1")
     here = os.path.dirname(os.path.abspath(__file__))
     return subprocess.run(
-        [sys.executable, os.path.join(here, "nano_nsa.py")] + args,
+        [sys.executable, *launch, os.path.join(here, "nano_nsa.py")] + args,
         capture_output=True,
         text=True,
         env=env,
         timeout=600,
+        cwd=cwd,
     )
 
 
@@ -3850,23 +3852,12 @@ def test_tensor_parallel_cli_prints_once(calm_tp_dir, tmp_path):
     dist = pytest.importorskip("torch.distributed")
     if not dist.is_available() or not dist.is_gloo_available():
         pytest.skip("torch.distributed with gloo is not available")
-    import subprocess
-
-    here = os.path.dirname(os.path.abspath(__file__))
-    env = dict(os.environ, OMP_NUM_THREADS="1")
     base = ["--model", calm_tp_dir, "--device", "cpu", "--kernels", "torch", "--max-new-tokens", "6"]
     runs = (["--prompt", "hi", "--mtp", "0"], ["--prompt", "hi", "--prompt", "yo", "--mtp", "2", "--json"])
     for args in runs:
         one, two = (
-            subprocess.run(
-                [sys.executable, *launch, os.path.join(here, "nano_nsa.py"), *base, *args],
-                capture_output=True,
-                text=True,
-                env=env,
-                timeout=300,
-                cwd=str(tmp_path),
-            )
-            for launch in ([], ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"])
+            _cli(base + args, launch=launch, cwd=str(tmp_path))
+            for launch in ((), ("-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"))
         )
         assert one.returncode == two.returncode == 0, two.stderr[-3000:]
         if "--json" in args:  # one document (json.loads refuses two), the same results and counts
