@@ -1101,21 +1101,32 @@ TORCH_OPS.uniform, TORCH_OPS.sample, TORCH_OPS.probs_from_logits = uniform, samp
 
 @dataclass
 class Batch:
-    """A decode round's inputs, on the device, one row per request: its tokens and position, its drafts'
-    distributions, and how it draws. The round overwrites tokens, start and q with the next round's, so a
-    batch that does not change goes on from them without the host."""
+    """Decode rounds' inputs, on the device, one row per request: its tokens and position, its drafts'
+    distributions, and how it draws. The engine keeps one Batch with a row for every request it runs
+    (LLM.state, Request.row; row 0 is padding's), written when a request starts decoding (LLM.start); a round
+    reads its requests' rows (take) and writes the next round's inputs back, so the host never has to."""
 
     tokens: torch.Tensor  # [B, k+1] x_L (the last token), then the drafts d_1..d_k
     start: torch.Tensor  # [B] L: the position of x_L (its KV and the drafts' are written this round)
-    q: torch.Tensor  # [B, k, vocab] the drafts' distributions (None: a greedy batch, or k = 0)
+    q: torch.Tensor  # [B, k, vocab] the drafts' distributions (None: a greedy round's, or k = 0)
     seeds: torch.Tensor  # [B] int64
     temperature: torch.Tensor  # [B] fp32, 0 for greedy
     top_p: torch.Tensor  # [B] fp32
-    sampling: bool  # host: whether any request samples (a greedy batch needs no distributions)
+    sampling: bool = False  # host: whether any request of a round samples (a greedy one needs no q)
 
-    def tensors(self):
-        """The per-request tensors (a CUDA graph copies them into its static inputs)."""
-        return [self.tokens, self.start, self.q, self.seeds, self.temperature, self.top_p]
+    @classmethod
+    def empty(cls, n, k, vocab, device):
+        """n rows of zeros (top_p 1: a padding row is a greedy request at position 0 writing slot 0)."""
+        ints = functools.partial(torch.zeros, dtype=torch.long, device=device)
+        floats = functools.partial(torch.zeros, device=device)
+        q = floats(n, k, vocab, dtype=acc_dtype(floats(0))) if k else None  # (as probs_from_logits gives)
+        return cls(ints(n, k + 1), ints(n), q, ints(n), floats(n), floats(n) + 1)
+
+    def take(self, ids, sampling):
+        """The rows ids [B] as a round's Batch (a greedy round reads no distributions)."""
+        q = self.q[ids] if sampling and self.q is not None else None
+        rows = (self.tokens[ids], self.start[ids], q, self.seeds[ids], self.temperature[ids], self.top_p[ids])
+        return Batch(*rows, sampling)
 
 
 def residual_probs(p, q):
@@ -1131,8 +1142,8 @@ def accept(ops, batch: Batch, logits):
     drafts, then one token of the main model; counts [B]: how many of them). A greedy batch keeps the longest
     prefix of drafts equal to the argmax, then the argmax. Sampling keeps d_j with probability min(1, p(d_j) /
     q(d_j)), and at the first rejection draws from max(p - q, 0), after k acceptances from p: the output
-    follows the main model's distribution exactly. (A greedy row of a sampling batch has one-hot p and q: the
-    same test.)"""
+    follows the main model's distribution exactly. (A greedy row of a sampling batch has a one-hot p: p(d_j) >
+    0 keeps exactly the drafts equal to its argmax, whatever its q, which greedy rounds do not keep.)"""
     B, n, _ = logits.shape
     drafts, start = batch.tokens[:, 1:], batch.start
     if not batch.sampling:
@@ -1145,7 +1156,7 @@ def accept(ops, batch: Batch, logits):
     positions = start[:, None] + 1 + torch.arange(n, device=start.device)  # of the token each row decides
     px, qx = (d[:, :-1].gather(-1, drafts[..., None])[..., 0] for d in (p, q))  # [B, k]
     u = ops.uniform(batch.seeds[:, None], positions[:, :-1], ACCEPT, 1)[..., 0]
-    a = (u * qx <= px).long().cumprod(1).sum(1)  # [B] accepted drafts
+    a = ((u * qx <= px) & (px > 0)).long().cumprod(1).sum(1)  # [B] accepted drafts
     rows = torch.arange(B, device=start.device)
     last = ops.sample(residual_probs(p[rows, a], q[rows, a]), batch.seeds, positions[rows, a], TARGET)
     emitted = torch.cat([drafts, last[:, None]], 1).scatter(1, a[:, None], last[:, None])
@@ -1165,9 +1176,9 @@ class Request:
     num_cached: int = 0  # positions whose main-model KV is in the pool; decode phase: len(tokens) - 1
     pages: list = field(default_factory=list)
     swapped: list = None  # its KV in host memory while preempted (PagePool.swap_out)
-    draft: torch.Tensor = None  # [k] its next verify's drafts, on the device, while not in a batch (set by
-    # prefill's last chunk; None for a one-token prompt)
-    q: torch.Tensor = None  # [k, V] their distributions (drafted in a sampling batch)
+    draft: torch.Tensor = None  # [k] its first round's drafts, on the device (prefill's guess; None for a
+    # one-token prompt)
+    row: int = None  # its row of the engine's decode state from its first round on (LLM.start)
     return_logits: bool = False  # keep the main-model logits row of every emitted token in `logits`
     on_tokens: object = None  # called as on_tokens(idx, [token]) for every emitted token
     logits: list = field(default_factory=list)
@@ -1370,18 +1381,20 @@ class Scheduler:
 
 
 # ---- The speculative round: verify -> accept -> draft-extend -> draft, one function of device tensors ------
-def speculative_round(model, cache, batch: Batch, table):
-    """One decode round of every request of the batch, on the device with no host synchronization (a CUDA
-    graph captures it whole) -> (emitted [B, k+2]: the emitted tokens, then how many; the verify logits [B,
-    k+1, V]); `batch` then holds the next round's inputs. table [B, W]: the requests' page-table rows, W a
-    bound on every causal length (the width the indexer scores; a CUDA graph's padding row is all slot 0, and
-    its start stays at 0). The four phases:
+def speculative_round(model, cache, state: Batch, ids, sampling, table):
+    """One decode round of the requests whose rows of `state` are ids [B], on the device with no host
+    synchronization (a CUDA graph captures it whole) -> (emitted [B, k+2]: the emitted tokens, then how many;
+    the verify logits [B, k+1, V]); their rows then hold the next round's inputs. sampling: whether any of
+    them samples. table [B, W]: the requests' page-table rows, W a bound on every causal length (the width
+    the indexer scores; a CUDA graph's padding row is row 0 of `state`, its table row all slot 0, and its
+    start stays at 0). The four phases:
     1. verify: the main model over x_L, d_1..d_k of every request, each a decode row of its own, with its own
        position and causal length (the indexer masks each row's future before its top-k);
     2. accept: the drafts the main model agrees with, then one token of its own (accept);
     3. draft-extend: the MTP layer over the same rows, pairs (h_p, x_{p+1}) with the emitted tokens as the
        x's; rows past what a request emitted write the dummy slot 0, so shapes do not depend on acceptance;
     4. draft: k new drafts from the last emitted row (draft)."""
+    batch = state.take(ids, sampling)
     B, n = batch.tokens.shape
     dev = batch.tokens.device
     offsets = torch.arange(n, device=dev)
@@ -1400,10 +1413,10 @@ def speculative_round(model, cache, batch: Batch, table):
         start = batch.start + counts  # L': the position of the last emitted token
         drafts, q = draft(model, cache, h, start, batch, table)  # 4. draft
         next_tokens = torch.cat([emitted.gather(1, counts[:, None] - 1), drafts], 1)
-        if batch.q is not None:
-            batch.q.copy_(q)
-    batch.tokens.copy_(next_tokens)
-    batch.start.add_(counts * (table[:, 0] > 0))  # a padding row (its slots all 0) stays at position 0
+        if q is not None:
+            state.q[ids] = q
+    state.tokens[ids] = next_tokens
+    state.start[ids] = batch.start + counts * (table[:, 0] > 0)  # a padding row (slots all 0) stays at 0
     return torch.cat([emitted, counts[:, None]], 1), logits
 
 
@@ -1448,23 +1461,20 @@ def graph_buckets(max_bs, rows_per_req, tp=1):
 
 
 class CudaGraphs:
-    """speculative_round as CUDA graphs, one per batch-size bucket, context bound and kind of batch (greedy or
-    sampling), each captured when a batch first needs it: the context bound is the indexer's width, a shape
-    of the graph, and a sampling round has work of its own (the distributions). A replay reads the round's
-    inputs from one set of static buffers and leaves the next round's there; padding rows write the dummy
-    slot 0."""
+    """speculative_round as CUDA graphs, one per batch-size bucket, context bound and kind of round (greedy or
+    sampling), each captured when a round first needs it: the context bound is the indexer's width, a shape
+    of the graph, and a sampling round has work of its own (the distributions). A replay reads the rows of the
+    decode state named by one static buffer of ids (padding rows: row 0, writing the dummy slot 0) and one
+    static page table."""
 
-    def __init__(self, model: Transformer, cache: KVCache, num_draft, max_batch, max_context, page_size):
-        self.model, self.cache = model, cache
+    def __init__(self, model, cache, state: Batch, num_draft, max_batch, max_context, page_size):
+        self.model, self.cache, self.state = model, cache, state
         self.buckets = graph_buckets(max_batch, num_draft + 1, tp_size())
-        bs = self.buckets[-1]
-        zeros = functools.partial(torch.zeros, dtype=torch.long, device=cache.latent.device)
         context = max_context + round_lookahead(num_draft) + 1  # the furthest position a round writes, +1
         self.max_width = -(-context // page_size) * page_size
-        self.table = zeros(bs, self.max_width)
-        q = torch.zeros(bs, num_draft, model.cfg.vocab_size, device=self.table.device) if num_draft else None
-        how = (zeros(bs), zeros(bs).float(), zeros(bs).float() + 1)  # seeds, temperature, top_p
-        self.static = Batch(zeros(bs, num_draft + 1), zeros(bs), q, *how, False)  # every graph's
+        ints = functools.partial(torch.zeros, dtype=torch.long, device=state.start.device)
+        self.table = ints(self.buckets[-1], self.max_width)
+        self.ids = ints(self.buckets[-1])  # the round's rows of the decode state
         self.graphs = {}
         self.memory_pool = None  # one CUDA memory pool for all of them
 
@@ -1476,18 +1486,13 @@ class CudaGraphs:
             return topk
         return min(1 << (max_ctx - 1).bit_length(), self.max_width)
 
-    def run(self, batch: Batch, B, table, max_ctx):
-        """Replay the round for the B requests of `batch` (the host's inputs, or the static ones the last
-        replay left) -> (the static inputs, now the next round's: LLM keeps them as its batch; the graph's
-        outputs, overwritten by its next replay; rows past B are padding)."""
-        s = self.static
+    def run(self, ids, sampling, table):
+        """speculative_round's replay for the requests of rows ids [B] (table [B, W]: W bounds their contexts)
+        -> the graph's outputs, overwritten by its next replay (rows past B are padding)."""
+        B = len(ids)
         bs = next(b for b in self.buckets if b >= B)
-        key = (bs, self.width(max_ctx), batch.sampling)
-        if batch is not s:  # inputs from the host: copied in, padded (top_p 1: a distribution to sample)
-            for mine, theirs in zip(s.tensors(), batch.tensors(), strict=True):
-                if theirs is not None:
-                    mine[:B], mine[B:bs] = theirs, 0
-            s.top_p[B:bs], s.sampling = 1, batch.sampling
+        key = (bs, self.width(table.shape[1]), sampling)
+        self.ids[:B], self.ids[B:bs] = ids, 0
         self.table[:B, : table.shape[1]] = table
         if B < bs:
             self.table[B:bs, : key[1]] = 0  # (so every position of a padding row is the dummy slot)
@@ -1495,20 +1500,16 @@ class CudaGraphs:
             self.capture(key)
         graph, out = self.graphs[key]
         graph.replay()
-        return s, out
+        return out
 
     def capture(self, key):
-        """Capture the round for (bucket, context bound, sampling) on the static inputs, which the capture
-        zeroes for its warm-up run (every row then writes the dummy slot 0) and restores."""
-        (bs, width, sampling), s = key, self.static
-        q = s.q[:bs] if sampling and s.q is not None else None  # (k = 0: no drafts)
-        batch = Batch(
-            s.tokens[:bs], s.start[:bs], q, s.seeds[:bs], s.temperature[:bs], s.top_p[:bs], sampling
-        )
-        round_ = functools.partial(speculative_round, self.model, self.cache, batch, self.table[:bs, :width])
-        inputs = [t for t in s.tensors() + [self.table] if t is not None]
+        """Capture the round for (bucket, context bound, sampling) on the static ids and table, which the
+        capture zeroes for its warm-up run (every row is then row 0, writing slot 0) and restores."""
+        bs, width, sampling = key
+        tensors = (self.model, self.cache, self.state, self.ids[:bs], sampling, self.table[:bs, :width])
+        round_ = functools.partial(speculative_round, *tensors)
         what = f"the {'sampling' if sampling else 'greedy'} round for bs {bs}, contexts <= {width}"
-        graph, out = self.model.ops.capture(round_, self.memory_pool, inputs, what)
+        graph, out = self.model.ops.capture(round_, self.memory_pool, [self.ids, self.table], what)
         self.memory_pool = self.memory_pool or graph.pool()
         self.graphs[key] = (graph, out)
 
@@ -1517,10 +1518,11 @@ class CudaGraphs:
 class LLM:
     """DeepSeek-V3.2 engine: generate() admits requests, then runs steps (schedule, prefill or decode round,
     retire) until every request is done. A decode round is speculative_round over every running request
-    (from a CUDA graph where the engine has them), read back once. While the batch stays the same the host
-    launches round n+1 from the inputs round n left on the device before it reads round n back, and accepts
-    round n while the GPU runs round n+1 (not when round n may end every request: LLM.decode). A request
-    that finishes in round n still runs in round n+1, already launched, writing only into its own pages."""
+    (from a CUDA graph where the engine has them), read back once. A round starts from the inputs the round
+    before left on the device (each request's row of `state`), so the host launches round n+1 before it reads
+    round n back, and accepts round n while the GPU runs round n+1, whether the batch changed or not (not
+    when round n may end every request: LLM.decode). A request that finishes in round n still runs in round
+    n+1, already launched, writing only into its own pages and row."""
 
     def __init__(
         self,
@@ -1560,10 +1562,11 @@ class LLM:
         self.cache = KVCache(self.cfg, num_pages * page_size, self.device, mtp > 0)
         self.pool = PagePool(self.cache, page_size)
         self.scheduler = Scheduler(self.pool, max_batch, max_prefill_tokens, mtp, self.cfg.index_topk)
+        self.state = Batch.empty(max_batch + 1, mtp, self.cfg.vocab_size, self.device)  # every request's row
         self.graphs = None  # the torch references sync the host: no graphs for them
         if cuda_graphs and self.device.type == "cuda" and self.model.ops is not TORCH_OPS:
-            self.graphs = CudaGraphs(self.model, self.cache, mtp, max_batch, self.max_context, page_size)
-        self.batch = None  # the last round's Batch: the next round's inputs
+            args = (self.model, self.cache, self.state, mtp, max_batch, self.max_context, page_size)
+            self.graphs = CudaGraphs(*args)
         self.launched = None  # (requests, read back, logits) of the round launched and not applied yet
         self.stats = {}
         if self.device.type == "cuda":
@@ -1651,65 +1654,62 @@ class LLM:
                 r.draft = d.repeat(self.num_draft)
 
     def decode(self, reqs):
-        """One speculative round of `reqs`: launched from the inputs the last round left on the device while
-        the batch stays the same, else (accepting the round in flight first) from the host's state. Near the
-        end, when the round in flight may finish every request, it is accepted first too: a round launched
-        after it could be wasted work that generate waits for. Returns whether a round was launched."""
+        """One speculative round of `reqs`, from their rows of the decode state (a request's first round: from
+        the host's, LLM.start), then the round before it is accepted. Near the end, when the round in flight
+        may finish every request, it is accepted first: a round launched after it could be wasted work that
+        generate waits for. Returns whether a round was launched."""
         near_end = all(len(r.tokens) - r.prompt_len + self.num_draft + 1 >= r.max_new_tokens for r in reqs)
-        if self.launched is None or self.launched[0] != reqs or near_end:  # (not the same Request objects)
+        if near_end:
             self.settle()
             reqs = [r for r in reqs if r.finish is None]
             if not reqs:
                 return False
-            self.batch = self.new_batch(reqs)
-        table = self.pool.table(reqs)  # (with the pages reserved since the last round)
-        # a bound on the round's contexts (the host is a round behind)
-        bound = max(r.num_cached for r in reqs) + round_lookahead(self.num_draft)
+        self.start([r for r in reqs if r.row is None])
+        ids = to_device(torch.tensor([r.row for r in reqs]), self.device)
+        sampling = any(r.temperature > 0 for r in reqs)
+        # the pages reserved since the last round, up to a bound on the round's contexts (the host is a round
+        # behind)
+        table = self.pool.table(reqs)[:, : max(r.num_cached for r in reqs) + round_lookahead(self.num_draft)]
         if self.graphs:
-            self.batch, (emitted, logits) = self.graphs.run(self.batch, len(reqs), table, bound)
+            emitted, logits = self.graphs.run(ids, sampling, table)
         else:
-            emitted, logits = speculative_round(self.model, self.cache, self.batch, table[:, :bound])
+            emitted, logits = speculative_round(self.model, self.cache, self.state, ids, sampling, table)
         if any(r.return_logits for r in reqs):  # (a CUDA graph's next replay overwrites them)
             logits = logits.clone()
-        # round n+1 is queued; round n (`previous`: None right after a settle) is applied only now, so the
-        # host's bookkeeping runs while the GPU runs
+        # round n+1 is queued; round n (`previous`: None after a settle) is applied only now, so the host's
+        # bookkeeping runs while the GPU runs
         previous, self.launched = self.launched, (reqs, self.model.ops.read_back(emitted), logits)
         if previous:
             self.apply(*previous)
         return True
 
-    def new_batch(self, reqs):
-        """A round's inputs from the host's state: each request's last token, position, drafts and how it
-        draws."""
-        k = self.num_draft
+    def start(self, reqs):
+        """Give requests about to run their first round a row of the decode state that no live request holds
+        (row 0 is padding's), and write their inputs there: the last prompt token and its position, the drafts
+        (prefill's guess, drawn by an argmax: from a one-hot q; placeholders for a one-token prompt) and how
+        they draw."""
+        if not reqs:
+            return
+        live = {r.row for r in self.scheduler.running + self.scheduler.waiting + reqs}
+        free = (row for row in range(1, len(self.state.start)) if row not in live)
+        for r in reqs:
+            r.row = next(free)
+        s, ids = self.state, to_device(torch.tensor([r.row for r in reqs]), self.device)
         host = to_device(torch.tensor([[r.tokens[-1], r.num_cached, r.seed] for r in reqs]), self.device)
+        s.tokens[ids, 0], s.start[ids], s.seeds[ids] = host.unbind(1)
         how = to_device(torch.tensor([[r.temperature, r.top_p] for r in reqs]), self.device)
-        sampling = any(r.temperature > 0 for r in reqs)
-        tokens, q = host[:, :1], None
-        if k:
-            none = torch.zeros_like(host[0, :1]).expand(k)  # (a prompt of one token: no guess, placeholders)
-            drafts = [none if r.draft is None else r.draft for r in reqs]
-            tokens = torch.cat([tokens, torch.stack(drafts)], 1)
-        if k and sampling:  # drafts drawn by an argmax (a greedy batch, prefill's guess) came from one-hot q
-            V = self.cfg.vocab_size
-            q = torch.stack(
-                [F.one_hot(d, V) if r.q is None else r.q for r, d in zip(reqs, drafts, strict=True)]
-            )
-            q = q.to(acc_dtype(tokens))  # (acc_dtype reads only the device)
-        return Batch(tokens, host[:, 1].clone(), q, host[:, 2].clone(), how[:, 0], how[:, 1], sampling)
+        s.temperature[ids], s.top_p[ids] = how.unbind(1)
+        if self.num_draft:
+            none = torch.zeros_like(host[0, :1]).expand(self.num_draft)
+            drafts = torch.stack([none if r.draft is None else r.draft for r in reqs])
+            s.tokens[ids, 1:] = drafts
+            s.q[ids] = F.one_hot(drafts, self.cfg.vocab_size).to(s.q.dtype)
 
     def settle(self):
-        """Accept the round in flight, if any, and keep each request's next drafts: the round left them in
-        self.batch, which the next new_batch replaces, so they are copied into each Request."""
-        if self.launched is None:
-            return
-        reqs = self.launched[0]
-        self.apply(*self.launched)
-        self.launched = None
-        sampled = self.batch.sampling and self.num_draft
-        for b, r in enumerate(reqs):
-            r.draft = self.batch.tokens[b, 1:].clone()
-            r.q = self.batch.q[b].clone() if sampled else None
+        """Accept the round in flight, if any."""
+        if self.launched is not None:
+            self.apply(*self.launched)
+            self.launched = None
 
     def apply(self, reqs, fetch, logits):
         """Apply a launched round to its requests: each emits its accepted tokens. fetch() waits for the

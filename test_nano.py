@@ -926,6 +926,30 @@ def test_no_round_is_launched_past_the_end(tiny_dir, monkeypatch, mtp):
     assert [r.token_ids for r in batch] == alone
 
 
+@pytest.mark.parametrize("temperature", [0.0, 0.8])
+def test_the_host_waits_for_a_round_only_near_the_end(tiny_dir, monkeypatch, temperature):
+    """A round starts from the rows the round before left on the device, so the host accepts round n while
+    round n+1 runs even when the batch changes (a request finished, another was admitted): it waits for the
+    round in flight (LLM.settle applying one) only when that round may end every request it still runs."""
+    llm = make_llm(tiny_dir, 2, max_batch=2)
+    monkeypatch.setattr(llm.cfg, "eos_token_id", -1)  # every request ends by length
+    waits, settle = [], llm.settle
+
+    def spy():
+        if llm.launched is not None:
+            live = [r for r in llm.launched[0] if r.finish is None]
+            waits.append(all(len(r.generated) + 3 >= r.max_new_tokens for r in live))
+        settle()
+
+    prompts, budgets = mixed_prompts(5), [6, 12, 4, 9, 7]
+    out = llm.generate(prompts, max_new_tokens=budgets, temperature=temperature, seed=3)
+    assert [len(r.token_ids) for r in out] == budgets
+    monkeypatch.setattr(llm, "settle", spy)
+    again = llm.generate(prompts, max_new_tokens=budgets, temperature=temperature, seed=3)
+    assert [r.token_ids for r in again] == [r.token_ids for r in out]
+    assert waits and all(waits), waits  # (the batch changed four times)
+
+
 def test_interrupted_generate_leaves_the_engine_clean(tiny_dir):
     """A generate stopped by an exception (here an on_tokens that raises, as Ctrl-C would) leaves no request
     in the scheduler and no page taken: the next generate gives a fresh engine's tokens."""
@@ -1041,6 +1065,27 @@ def test_rejection_sampling_is_exact(monkeypatch, broken):
         assert stat > CHI2_CRIT_DF5, f"the broken rule ({broken}) went undetected: chi2 {stat:.1f}"
 
 
+def test_a_greedy_row_of_a_sampling_round_accepts_its_argmax_whatever_its_q():
+    """A greedy round keeps no drafts' distributions, so a greedy row's q in a sampling round may be any
+    left-over values: it must still keep exactly the drafts equal to its argmax and then emit the argmax."""
+    g = torch.Generator().manual_seed(5)
+    B, k, V = 64, 3, 6
+    logits = torch.randn(B, k + 1, V, generator=g, dtype=torch.float64)
+    best = logits.argmax(-1)  # [B, k+1]
+    drafts = torch.where(torch.rand(B, k, generator=g) < 0.6, best[:, :k], (best[:, :k] + 1) % V)
+    q = torch.rand(B, k, V, generator=g, dtype=torch.float64)
+    q[::2] = q[::2] * (torch.rand(B // 2, k, V, generator=g) < 0.5)  # stale q, zero at some wrong drafts
+    tokens = torch.cat([torch.zeros(B, 1, dtype=torch.long), drafts], 1)
+    batch = m.Batch(
+        tokens, torch.zeros(B, dtype=torch.long), q, torch.arange(B), torch.zeros(B), torch.ones(B), True
+    )
+    emitted, counts = m.accept(m.TORCH_OPS, batch, logits)
+    want = (drafts == best[:, :k]).cumprod(1).sum(1) + 1
+    assert torch.equal(counts, want)
+    for b in range(B):  # the accepted drafts, then the argmax at the first wrong one
+        assert emitted[b, : want[b]].tolist() == best[b, : want[b]].tolist()
+
+
 def test_no_two_rows_of_uniform_numbers_are_a_permutation_of_each_other():
     """Each (position, stream) of a request draws its own numbers. Columns keyed as mix(key ^ column) made
     two rows whose keys differ by a small d the same numbers in columns c and c ^ d: a request's draws at
@@ -1103,7 +1148,7 @@ def test_every_decode_round_is_the_one_speculative_round(tiny_dir, monkeypatch):
     speculative_round (verify, accept, draft-extend, draft on the device), once per round."""
     calls = []
     round_ = m.speculative_round
-    monkeypatch.setattr(m, "speculative_round", lambda *a: calls.append(a[2].sampling) or round_(*a))
+    monkeypatch.setattr(m, "speculative_round", lambda *a: calls.append(a[4]) or round_(*a))
     for mtp in (0, 2):
         llm = make_llm(tiny_dir, mtp)
         for temperature in (0.0, 0.7):
@@ -1531,9 +1576,9 @@ def test_draft_extend_writes_the_kv_of_emitted_rows_only(tiny_dir, monkeypatch):
 
     round_ = m.speculative_round
 
-    def spy_round(model, cache, batch, table):
+    def spy_round(*args):
         first = len(calls)
-        out, logits = round_(model, cache, batch, table)
+        out, logits = round_(*args)
         rounds.append((calls[first], out[:, :-1].clone(), out[:, -1].clone()))
         return out, logits
 
