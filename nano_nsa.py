@@ -1123,10 +1123,12 @@ class Batch:
         return cls(ints(n, k + 1), ints(n), q, ints(n), floats(n), floats(n) + 1)
 
     def take(self, ids, sampling):
-        """The rows ids [B] as a round's Batch (a greedy round reads no distributions)."""
-        q = self.q[ids] if sampling and self.q is not None else None
-        rows = (self.tokens[ids], self.start[ids], q, self.seeds[ids], self.temperature[ids], self.top_p[ids])
-        return Batch(*rows, sampling)
+        """The rows ids [B] as a round's Batch (a greedy round reads only the tokens and positions)."""
+        if not sampling:
+            return Batch(self.tokens[ids], self.start[ids], None, None, None, None)
+        q = None if self.q is None else self.q[ids]
+        how = (self.seeds[ids], self.temperature[ids], self.top_p[ids])
+        return Batch(self.tokens[ids], self.start[ids], q, *how, sampling=True)
 
 
 def residual_probs(p, q):
@@ -1416,7 +1418,7 @@ def speculative_round(model, cache, state: Batch, ids, sampling, table):
         if q is not None:
             state.q[ids] = q
     state.tokens[ids] = next_tokens
-    state.start[ids] = batch.start + counts * (table[:, 0] > 0)  # a padding row (slots all 0) stays at 0
+    state.start.index_add_(0, ids, counts * (table[:, 0] > 0))  # a padding row (slots all 0) stays at 0
     return torch.cat([emitted, counts[:, None]], 1), logits
 
 
@@ -1492,10 +1494,10 @@ class CudaGraphs:
         B = len(ids)
         bs = next(b for b in self.buckets if b >= B)
         key = (bs, self.width(table.shape[1]), sampling)
-        self.ids[:B], self.ids[B:bs] = ids, 0
+        self.ids[:B] = ids
         self.table[:B, : table.shape[1]] = table
-        if B < bs:
-            self.table[B:bs, : key[1]] = 0  # (so every position of a padding row is the dummy slot)
+        if B < bs:  # padding rows: row 0 of the state, every position the dummy slot
+            self.ids[B:bs], self.table[B:bs, : key[1]] = 0, 0
         if key not in self.graphs:
             self.capture(key)
         graph, out = self.graphs[key]
@@ -1568,6 +1570,7 @@ class LLM:
             args = (self.model, self.cache, self.state, mtp, max_batch, self.max_context, page_size)
             self.graphs = CudaGraphs(*args)
         self.launched = None  # (requests, read back, logits) of the round launched and not applied yet
+        self.rows = (None, None)  # (requests, their rows of `state`) of the last round
         self.stats = {}
         if self.device.type == "cuda":
             self.warm_up()
@@ -1665,7 +1668,9 @@ class LLM:
             if not reqs:
                 return False
         self.start([r for r in reqs if r.row is None])
-        ids = to_device(torch.tensor([r.row for r in reqs]), self.device)
+        if self.rows[0] != reqs:  # the batch's rows of the decode state (on the device, kept while it stays)
+            self.rows = (reqs, to_device(torch.tensor([r.row for r in reqs]), self.device))
+        ids = self.rows[1]
         sampling = any(r.temperature > 0 for r in reqs)
         # the pages reserved since the last round, up to a bound on the round's contexts (the host is a round
         # behind)

@@ -883,6 +883,19 @@ def mixed_prompts(n=8, seed=12):
     return [torch.randint(6, 262, (k,), generator=g).tolist() for k in lens]
 
 
+def keep_seeds(monkeypatch):
+    """Greedy rounds gather no seeds; tests that tell a round's requests apart by them (generate(seed=0):
+    prompt i has seed i) have them gathered."""
+    take = m.Batch.take
+
+    def take_with_seeds(self, ids, sampling):
+        batch = take(self, ids, sampling)
+        batch.seeds = self.seeds[ids]
+        return batch
+
+    monkeypatch.setattr(m.Batch, "take", take_with_seeds)
+
+
 def oracle_drafts(monkeypatch, prompts, reference, wrong_every=7):
     """Replace the round's draft phase (nano_nsa.draft) by an oracle that proposes the plain run's next
     tokens, wrong where (position + seed) % wrong_every == 0, so verify accepts runs of drafts and rejects
@@ -904,6 +917,7 @@ def oracle_drafts(monkeypatch, prompts, reference, wrong_every=7):
         return torch.where((pos + seeds) % wrong_every == 0, (t + 1) % 262, t), None
 
     monkeypatch.setattr(m, "draft", draft)
+    keep_seeds(monkeypatch)
 
 
 @pytest.mark.parametrize("mtp", [0, 2])
@@ -1533,6 +1547,7 @@ def test_mtp_drafts_match_recomputed_mtp(tiny_dir, tmp_path, monkeypatch, mtp_la
         return drafts, q
 
     monkeypatch.setattr(m, "draft", draft)
+    keep_seeds(monkeypatch)
     prompts = mixed_prompts(4, seed=15)
     out = llm.generate(prompts, max_new_tokens=14, seed=0)  # (prompt i has seed i)
     model = llm.model
