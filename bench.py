@@ -100,8 +100,8 @@ def decode_batch(llm, bs, ctx, rounds, seed=0):
         r = m.Request(i, ids, ctx + 1, 1 << 30, 0.0, 1.0, i, num_cached=ctx)
         reserved = llm.pool.reserve(r, ctx + (rounds + 3) * m.round_lookahead(llm.num_draft))
         assert reserved, "KV pool too small for the benchmark"
-        r.draft = torch.randint(6, llm.cfg.vocab_size, (llm.num_draft,), device=llm.device)
         reqs.append(r)
+    llm.start(reqs, torch.randint(6, llm.cfg.vocab_size, (bs, llm.num_draft), device=llm.device))
     return reqs
 
 

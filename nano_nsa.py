@@ -1178,9 +1178,7 @@ class Request:
     num_cached: int = 0  # positions whose main-model KV is in the pool; decode phase: len(tokens) - 1
     pages: list = field(default_factory=list)
     swapped: list = None  # its KV in host memory while preempted (PagePool.swap_out)
-    draft: torch.Tensor = None  # [k] its first round's drafts, on the device (prefill's guess; None for a
-    # one-token prompt)
-    row: int = None  # its row of the engine's decode state from its first round on (LLM.start)
+    row: int = None  # its row of the engine's decode state once its prompt is in the cache (LLM.start)
     return_logits: bool = False  # keep the main-model logits row of every emitted token in `logits`
     on_tokens: object = None  # called as on_tokens(idx, [token]) for every emitted token
     logits: list = field(default_factory=list)
@@ -1646,19 +1644,19 @@ class LLM:
         h = self.model(tokens[:, 0], meta, self.cache)
         for r, _, n in chunks:
             r.num_cached += n
-        if not self.num_draft:
-            return
-        h = self.model.mtp_forward(tokens[:, 1], h, meta, self.cache)
         ends = zip(reqs, meta.cu_seqlens[1:], strict=True)  # (each request, the end of its rows)
         done = [(r, end - 1) for r, end in ends if r.num_cached == r.prompt_len - 1]  # prompts now prefilled
-        if done:
-            guess = self.model.mtp[0].logits(h[[row for _, row in done]]).argmax(-1)  # [len(done)]: x_P
-            for (r, _), d in zip(done, guess, strict=True):
-                r.draft = d.repeat(self.num_draft)
+        guess = None
+        if self.num_draft:
+            h = self.model.mtp_forward(tokens[:, 1], h, meta, self.cache)
+            if done:  # x_P, the guess every draft of their first round repeats
+                guess = self.model.mtp[0].logits(h[[row for _, row in done]]).argmax(-1)[:, None]
+                guess = guess.expand(-1, self.num_draft)
+        self.start([r for r, _ in done], guess)  # they decode from now on: their rows of the decode state
 
     def decode(self, reqs):
-        """One speculative round of `reqs`, from their rows of the decode state (a request's first round: from
-        the host's, LLM.start), then the round before it is accepted. Near the end, when the round in flight
+        """One speculative round of `reqs`, from their rows of the decode state (written by LLM.start for a
+        request's first round), then the round before it is accepted. Near the end, when the round in flight
         may finish every request, it is accepted first: a round launched after it could be wasted work that
         generate waits for. Returns whether a round was launched."""
         near_end = all(len(r.tokens) - r.prompt_len + self.num_draft + 1 >= r.max_new_tokens for r in reqs)
@@ -1688,11 +1686,11 @@ class LLM:
             self.apply(*previous)
         return True
 
-    def start(self, reqs):
-        """Give requests about to run their first round a row of the decode state that no live request holds
-        (row 0 is padding's), and write their inputs there: the last prompt token and its position, the drafts
-        (prefill's guess, drawn by an argmax: from a one-hot q; placeholders for a one-token prompt) and how
-        they draw."""
+    def start(self, reqs, drafts=None):
+        """Give requests whose prompt is in the cache a row of the decode state that no live request holds
+        (row 0 is padding's), and write their first round's inputs there: the last prompt token and its
+        position, how they draw, and the drafts [B, k] (prefill's guess, drawn by an argmax: from a one-hot q;
+        None, placeholders: a one-token prompt, which has no prefill step, starts at its first round)."""
         if not reqs:
             return
         live = {r.row for r in self.scheduler.running + self.scheduler.waiting + reqs}
@@ -1705,8 +1703,7 @@ class LLM:
         how = to_device(torch.tensor([[r.temperature, r.top_p] for r in reqs]), self.device)
         s.temperature[ids], s.top_p[ids] = how.unbind(1)
         if self.num_draft:
-            none = torch.zeros_like(host[0, :1]).expand(self.num_draft)
-            drafts = torch.stack([none if r.draft is None else r.draft for r in reqs])
+            drafts = torch.zeros_like(s.tokens[ids, 1:]) if drafts is None else drafts
             s.tokens[ids, 1:] = drafts
             s.q[ids] = F.one_hot(drafts, self.cfg.vocab_size).to(s.q.dtype)
 
