@@ -1067,8 +1067,9 @@ def uniform(seeds, positions, stream, n):
 def exponential(u):
     """E = -log(1 - u) ~ Exp(1) for u uniform, computed as log1p is (Goldberg's form): exact where u is small,
     where the race decides the unlikely tokens (-log u, whose u near 1 is only as fine as 2^-24, floored E at
-    3e-8). u = 1 gives inf: that token sits the race out."""
-    w = 1 - u
+    3e-8). u = 1 (fp32's rounding of 2^-25 of them) counts as 1 - 2^-25: E = 17.3, not inf, which would leave
+    p / E = 0 and let a token of probability 0 win where this one alone has p > 0."""
+    w = (1 - u).clamp(min=2**-25)
     return torch.where(w == 1, u, -torch.log(w) * u / (1 - w))
 
 
@@ -1178,7 +1179,7 @@ class Request:
     num_cached: int = 0  # positions whose main-model KV is in the pool; decode phase: len(tokens) - 1
     pages: list = field(default_factory=list)
     swapped: list = None  # its KV in host memory while preempted (PagePool.swap_out)
-    row: int = None  # its row of the engine's decode state once its prompt is in the cache (LLM.start)
+    row: int = None  # its row of the engine's decode state once it starts decoding (LLM.start)
     return_logits: bool = False  # keep the main-model logits row of every emitted token in `logits`
     on_tokens: object = None  # called as on_tokens(idx, [token]) for every emitted token
     logits: list = field(default_factory=list)
@@ -1687,7 +1688,7 @@ class LLM:
         return True
 
     def start(self, reqs, drafts=None):
-        """Give requests whose prompt is in the cache a row of the decode state that no live request holds
+        """Give requests whose prompt is prefilled a row of the decode state that no live request holds
         (row 0 is padding's), and write their first round's inputs there: the last prompt token and its
         position, how they draw, and the drafts [B, k] (prefill's guess, drawn by an argmax: from a one-hot q;
         None, placeholders: a one-token prompt, which has no prefill step, starts at its first round)."""

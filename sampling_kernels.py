@@ -36,7 +36,7 @@ def _uniform_block(key, cols):
 @triton.jit
 def _exponential(u):
     """nano_nsa.exponential: E = -log(1 - u), in the same steps (log1p's Goldberg form)."""
-    w = 1.0 - u
+    w = tl.maximum(1.0 - u, 2.0**-25)
     return tl.where(w == 1.0, u, -tl.log(w) * u / (1.0 - w))
 
 

@@ -1121,7 +1121,10 @@ def test_the_race_draws_unlikely_tokens_as_often_as_they_should():
     grid = torch.cat([(torch.arange(64) + 0.5) / 2**32, u.flatten()[:4096], torch.tensor([1 - 2**-24])])
     want = -torch.log1p(-grid.double())
     assert ((m.exponential(grid.float()).double() - want).abs() / want).max() < 1e-6
-    assert m.exponential(torch.tensor([1.0])).isinf().all()  # (probability 2^-25: that token sits out)
+    assert abs(m.exponential(torch.tensor([1.0])).item() - 25 * math.log(2)) < 1e-5  # (2^-25 of them)
+    one = torch.tensor([[0.0, 1.0, 0.0, 0.0]])  # (the only token of p > 0 draws u = 1 at this position)
+    assert m.uniform(torch.tensor(7), torch.tensor([779784]), m.TARGET, 4)[0, 1] == 1
+    assert m.sample(one, torch.tensor(7), torch.tensor([779784]), m.TARGET).item() == 1
     probs = torch.tensor([[1 - 1e-9, 1e-9]]).double()  # the tiny token wins iff E1 < 1e-9 E0 (about)
     e = m.exponential(torch.tensor([[0.5, 2.5 / 2**32]]))  # its u the third smallest number
     assert (probs / e.double()).argmax(-1).item() == 1
@@ -2279,6 +2282,8 @@ for V in (7, 1500, 5000):
     p = want.float()
     assert torch.equal(k.sample(p, seeds, positions, m.DRAFT), m.sample(p, seeds, positions, m.DRAFT)), V
     assert torch.equal(k.uniform(seeds, positions, m.ACCEPT, V), m.uniform(seeds, positions, m.ACCEPT, V)), V
+one = torch.tensor([[0.0, 1.0, 0.0, 0.0]])  # u = 1 for the only token of p > 0: it still wins
+assert k.sample(one, torch.tensor(7), torch.tensor([779784]), m.TARGET).item() == 1
 print("ok")
 """
 
@@ -2319,6 +2324,11 @@ def test_gpu_sample_kernel_matches_reference(V):
     want = m.sample(probs, seeds, positions, m.DRAFT)
     got = kernels.sample(probs.cuda(), seeds.cuda(), positions.cuda(), m.DRAFT).cpu()
     assert got.shape == (5, 3) and torch.equal(got, want)
+    one = torch.zeros(1, V).index_fill_(1, torch.tensor([1]), 1.0)  # u = 1 for its only token of p > 0
+    assert (
+        kernels.sample(one.cuda(), torch.tensor(7).cuda(), torch.tensor([779784]).cuda(), m.TARGET).item()
+        == 1
+    )
 
 
 @gpu
