@@ -1103,9 +1103,9 @@ TORCH_OPS.uniform, TORCH_OPS.sample, TORCH_OPS.probs_from_logits = uniform, samp
 @dataclass
 class Batch:
     """Decode rounds' inputs, on the device, one row per request: its tokens and position, its drafts'
-    distributions, and how it draws. The engine keeps one Batch with a row for every request it runs
-    (LLM.state, Request.row; row 0 is padding's), written when a request starts decoding (LLM.start); a round
-    reads its requests' rows (take) and writes the next round's inputs back, so the host never has to."""
+    distributions, and how it draws. The engine keeps one Batch, the decode state (LLM.state), with a row per
+    request it runs (Request.row; row 0 is padding's): the host writes a row once (LLM.start), then each round
+    reads its requests' rows (take) and writes the next round's inputs back."""
 
     tokens: torch.Tensor  # [B, k+1] x_L (the last token), then the drafts d_1..d_k
     start: torch.Tensor  # [B] L: the position of x_L (its KV and the drafts' are written this round)
@@ -1146,7 +1146,7 @@ def accept(ops, batch: Batch, logits):
     prefix of drafts equal to the argmax, then the argmax. Sampling keeps d_j with probability min(1, p(d_j) /
     q(d_j)), and at the first rejection draws from max(p - q, 0), after k acceptances from p: the output
     follows the main model's distribution exactly. (A greedy row of a sampling batch has a one-hot p: p(d_j) >
-    0 keeps exactly the drafts equal to its argmax, whatever its q, which greedy rounds do not keep.)"""
+    0 accepts exactly the drafts equal to its argmax, whatever its q: greedy rounds leave q stale.)"""
     B, n, _ = logits.shape
     drafts, start = batch.tokens[:, 1:], batch.start
     if not batch.sampling:
@@ -1423,7 +1423,8 @@ def speculative_round(model, cache, state: Batch, ids, sampling, table):
 
 def draft(model, cache, h, start, batch, table):
     """The batch's k draft tokens per request, on the device: d_1 from the MTP row just run at position start
-    - 1 (its hidden state h [B, dim]), then k-1 chained MTP decode steps at positions start, start + 1, ... ->
+    - 1 (start [B]: L', the next round's, not batch.start; its hidden state h [B, dim]), then k-1 chained MTP
+    decode steps at positions start, start + 1, ... ->
     (drafts [B, k], the distributions q [B, k, vocab] they were drawn from; None for a greedy batch, whose
     drafts are the argmax)."""
     B, k = len(start), batch.tokens.shape[1] - 1
@@ -1480,8 +1481,8 @@ class CudaGraphs:
         self.memory_pool = None  # one CUDA memory pool for all of them
 
     def width(self, max_ctx):
-        """The context bound a round runs under: index_topk, or the next power of two (the indexer's
-        width)."""
+        """The context bound a round runs under (the indexer's width), from the width of its table: index_topk
+        if that covers it, else the next power of two (at most max_width)."""
         topk = self.model.cfg.index_topk
         if max_ctx <= topk:
             return topk
@@ -1521,9 +1522,9 @@ class LLM:
     retire) until every request is done. A decode round is speculative_round over every running request
     (from a CUDA graph where the engine has them), read back once. A round starts from the inputs the round
     before left on the device (each request's row of `state`), so the host launches round n+1 before it reads
-    round n back, and accepts round n while the GPU runs round n+1, whether the batch changed or not (not
-    when round n may end every request: LLM.decode). A request that finishes in round n still runs in round
-    n+1, already launched, writing only into its own pages and row."""
+    round n back, and applies round n (LLM.apply) while the GPU runs round n+1, whether the batch changed or
+    not (not when round n may end every request: LLM.decode). A request that finishes in round n still runs
+    in round n+1, already launched, writing only into its own pages and row."""
 
     def __init__(
         self,
@@ -1657,9 +1658,9 @@ class LLM:
 
     def decode(self, reqs):
         """One speculative round of `reqs`, from their rows of the decode state (written by LLM.start for a
-        request's first round), then the round before it is accepted. Near the end, when the round in flight
-        may finish every request, it is accepted first: a round launched after it could be wasted work that
-        generate waits for. Returns whether a round was launched."""
+        request's first round), then the round before it is applied (LLM.apply). Near the end, when the round
+        in flight may finish every request, it is applied first: a round launched after it could be wasted
+        work that generate waits for. Returns whether a round was launched."""
         near_end = all(len(r.tokens) - r.prompt_len + self.num_draft + 1 >= r.max_new_tokens for r in reqs)
         if near_end:
             self.settle()
@@ -1671,8 +1672,8 @@ class LLM:
             self.rows = (reqs, to_device(torch.tensor([r.row for r in reqs]), self.device))
         ids = self.rows[1]
         sampling = any(r.temperature > 0 for r in reqs)
-        # the pages reserved since the last round, up to a bound on the round's contexts (the host is a round
-        # behind)
+        # their page tables (with the pages reserve_round just added), cut to the furthest position the round
+        # may write (num_cached is a round behind)
         table = self.pool.table(reqs)[:, : max(r.num_cached for r in reqs) + round_lookahead(self.num_draft)]
         if self.graphs:
             emitted, logits = self.graphs.run(ids, sampling, table)
@@ -1709,7 +1710,7 @@ class LLM:
             s.q[ids] = F.one_hot(drafts, self.cfg.vocab_size).to(s.q.dtype)
 
     def settle(self):
-        """Accept the round in flight, if any."""
+        """Apply the round in flight, if any (LLM.apply)."""
         if self.launched is not None:
             self.apply(*self.launched)
             self.launched = None
