@@ -16,7 +16,7 @@ Dimension legend used in shape comments:
   H attention heads   D qk_nope_head_dim (128)   R qk_rope_head_dim (64)   V v_head_dim (128)
   C kv_lora_rank (512)   I indexer heads (64)   J index_head_dim (128)   K index_topk (2048)
   E routed experts   A activated experts per token   F moe_inter_dim (2048)   S slots in the KV pool
-  k draft tokens per round
+  k draft tokens per round   W the page table's width, a bound on every row's causal length (Meta.max_ctx)
 """
 
 from __future__ import annotations
@@ -87,7 +87,7 @@ class Config:
     bos_token_id: int = 0
     eos_token_id: int = 1
 
-    def __post_init__(self):  # refuse, in one line, what the layers cannot run
+    def __post_init__(self):  # refuse what the layers cannot run, with a one-line error
         hf_checkpoint.check_config(self, fields(self))
 
     @property
@@ -102,7 +102,8 @@ class Config:
 
     @classmethod
     def full(cls, n_layers=61):
-        """The 671B shapes; n_layers < 61 gives the full-width, few-layer model used for GPU benchmarks."""
+        """The 671B shapes; n_layers < 61 gives the full-width, few-layer model used for GPU benchmarks (at
+        most 3 dense layers, and at least one MoE layer when n_layers > 1)."""
         return cls(n_layers=n_layers, n_dense_layers=min(3, max(1, n_layers - 1)))
 
     @classmethod
@@ -129,10 +130,10 @@ TINY |= dict(index_n_heads=4, index_topk=32)  # the indexer
 #   tp_size(), tp_rank(), all_reduce()   tensor parallelism ("Tensor parallelism" below): 1, 0 and nothing at
 #              one rank; under torchrun a layer holds its rank's share of the weights and sums the parts.
 # The FP8 block format (spec 3.3): a weight W [out, in] is stored as float8_e4m3fn W8 with one float32 scale
-# per 128x128 block, W = W8 * scale (weight_dequant); an activation is quantized per row in 1x128 groups with
-# power-of-two scales (act_quant). fp8_linear multiplies the two: each product of FP8 values and power-of-two
-# scales is exact, only the sums round. On the GPU one block-scaled FP8 GEMM with fp32 sums (fp8_gemm.py),
-# here dequantize both and multiply in fp64.
+# per 128x128 block, a power of two (ue8m0), W = W8 * scale (weight_dequant); an activation is quantized per
+# row in 1x128 groups with power-of-two scales too (act_quant). fp8_linear multiplies the two: each product of
+# FP8 values and power-of-two scales is exact, only the sums round. On the GPU one block-scaled FP8 GEMM with
+# fp32 sums (fp8_gemm.py), here dequantize both and multiply in acc_dtype (fp64 on the CPU).
 def pow2_ceil(x: torch.Tensor) -> torch.Tensor:
     """Smallest power of two >= x (x > 0 normal fp32), exactly, by the reference's exponent bit trick: a
     nonzero mantissa carries into the exponent, then the mantissa is cleared."""
@@ -163,15 +164,15 @@ def per_element(scale: torch.Tensor, shape) -> torch.Tensor:
 
 
 def weight_dequant(w: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """W[r, c] = fp8 W8[r, c] * scale_inv[r // 128, c // 128], in fp32 (exact: fp8 has a 4-bit
-    significand)."""
+    """W[r, c] = fp8 W8[r, c] * scale[r // 128, c // 128] (the checkpoint's weight_scale_inv), in fp32 (exact:
+    a power-of-two scale)."""
     return w.float() * per_element(scale, w.shape)
 
 
 def acc_dtype(x: torch.Tensor):
-    """Accumulation dtype of matmuls: fp32 as the reference on GPU. On CPU fp64, the exact limit of any
-    fp32 summation order: results then do not depend on batch shape, so engine modes can be compared token
-    for token."""
+    """Accumulation dtype of matmuls: fp32 as the reference on GPU. On CPU fp64, so much wider than fp32 that
+    the order of a sum no longer shows once rounded: results then do not depend on batch shape, so engine
+    modes can be compared token for token."""
     return torch.float64 if x.device.type == "cpu" else torch.float32
 
 
@@ -199,9 +200,9 @@ def param(*shape, dtype):
 
 class Linear(nn.Module):
     """x W^T. fp8=True: float8_e4m3fn weight + float32 `scale` per 128x128 block; else a plain `dtype`
-    weight. n: a stack of n weights [n, out, in] (the routed experts, read by the MoE op). split: 'col'
-    this rank holds out / ranks rows, 'row' in / ranks columns (the output is a partial sum the caller
-    all-reduces), None all of it."""
+    weight. n: a stack of n weights [n, out, in] (the routed experts, read by the MoE op). split (Megatron's
+    column / row parallel): 'col' this rank holds out / ranks output features (rows of W), 'row' in / ranks
+    input features (columns of W: the output is a partial sum the caller all-reduces), None all of it."""
 
     dequantized = None  # the weight dequantized (FP8) or widened (plain) at bind, for the references
 
@@ -260,9 +261,10 @@ def side_by_side(first, first_args, second, second_args):
 
 
 def rms_norm(x, residual, weight, eps):
-    """RMSNorm in fp32 with an fp32 weight, bf16 out, of x rounded to bf16 first (a block's half arrives as
-    its fp32 sum: rounded here, once, as the reference's layers return bf16). With `residual`: adds it first
-    (fp32), and also returns the new residual stream rounded to bf16, as the reference's fused form."""
+    """RMSNorm in fp32 with an fp32 weight, bf16 out. x is first rounded to bf16: a block half's output
+    arrives here as its unrounded fp32 sum over ranks, rounded once, here (the reference's layers return
+    bf16). With `residual`: adds it first (fp32), and also returns the new residual stream rounded to bf16, as
+    the reference's fused form."""
     x = x.to(BF16).float()
     if residual is not None:
         x = x + residual.float()
@@ -380,7 +382,7 @@ class Meta:
     """Everything a forward pass needs to know about its rows, built once for it and shared by every layer
     (where: Meta.build for a prefill step; speculative_round for the verify rows, which draft-extend reuses;
     draft for each draft step). mode 'prefill': rows are chunks of prompts; 'decode': every row is a query of
-    its own (a decode row, a verify row and its drafts, a draft step), with its own position and so its own
+    its own (a decode row, a request's k+1 verify rows, a draft step), with its own position and so its own
     causal length. (RoPE's cos and sin of the positions: once per pass too, by the model, rope_cos_sin.)"""
 
     mode: str
@@ -389,7 +391,8 @@ class Meta:
     table: torch.Tensor  # [B, W] table[b, p]: request b's position p's KV-pool slot (PagePool.table); its
     # width W bounds every row's causal length: max_ctx
     cu_seqlens: list  # [B + 1] host: row offsets of each request
-    slots: torch.Tensor = None  # [T] slot each row's token is written to (default: its position's)
+    slots: torch.Tensor = None  # [T] slot each row's token is written to (default: its position's; draft-
+    # extend's rows past what a request emitted write slot 0)
     ctx_lens: torch.Tensor = field(init=False)  # [T] each row's causal length: position + 1
 
     def __post_init__(self):
@@ -418,10 +421,12 @@ class Meta:
 
 @dataclass
 class LayerCache:
-    """One layer's KV pool, a row per slot. MLA's row is DeepSeek's FP8 layout (FlashMLA's, vLLM's
-    `fp8_ds_mla`): the normalized latent as FP8 in 1x128 groups (the official cache rounds it so), the
-    groups' power-of-two fp32 scales, then the rotated rope key in bf16: 512 + 16 + 128 = 656 bytes at full
-    size, against 1152 for the same values in bf16. The three parts are typed views of the row's bytes."""
+    """One layer's KV pool, a row per slot. MLA caches, per token, one C-dim latent shared by every head (the
+    kv_norm of wkv_a's first C outputs) and one R-dim rope key (MLA below). Its row is DeepSeek's FP8 layout
+    (FlashMLA's, vLLM's `fp8_ds_mla`): the normalized latent as FP8 in 1x128 groups (the official cache rounds
+    it so), the groups' power-of-two fp32 scales, then the rotated rope key in bf16: 512 + 16 + 128 = 656
+    bytes at full size, against 1152 for the same values in bf16. The three parts are typed views of the row's
+    bytes."""
 
     # bytes [0, C): kv, C fp8 | [C, C + C/32): kv_scale, C/128 fp32 of 4 bytes | [C * 33/32, end): pe, R bf16
     latent: torch.Tensor  # [S, C + C/32 + 2R] uint8
@@ -475,7 +480,7 @@ class KVCache:
         return self.latent, self.ik, self.iks
 
 
-# ---- Lightning indexer (DSA): picks the top-K context positions for every query row (spec 3.7) -------------
+# ---- Lightning indexer (DSA, DeepSeek Sparse Attention): the top-K context positions of a row (spec 3.7) ---
 def index_quant(x, cos, sin):
     """The indexer's q [T, I, J] or k [T, J] before scoring: RoPE on the FIRST R dims (half-split pairs,
     unlike MLA), Hadamard, then FP8 with one pow2 scale per 128-vector -> (fp8 like x, scales [..., 1])."""
@@ -494,17 +499,18 @@ def store_index_key(k, norm_weight, norm_bias, eps, cos, sin, cache: LayerCache,
 
 
 def index_scores(q8, w, k8, ks):
-    """I[t, n] = ks[n] * sum_h w[t, h] * relu(q8[t, h] . k8[n]), fp32 (the reference `fp8_index`). q8 [T,
-    I, J] fp8; head_weights w [T, I] fp32 (the q scale folded in: head_weights); k8 [T or 1, N, J]; ks [T or
-    1, N]."""
+    """score[t, n] = ks[n] * sum_h w[t, h] * relu(q8[t, h] . k8[n]), fp32 (the reference `fp8_index`). q8 [T,
+    I, J] fp8; w [T, I] fp32, the heads' weights (the q scales folded in: head_weights); k8 [T or 1, N, J]; ks
+    [T or 1, N]."""
     acc = acc_dtype(q8)
-    logits = torch.matmul(q8.to(acc), k8.to(acc).transpose(-1, -2))  # [T, I, N] fp8 products, exact sums
+    logits = torch.matmul(q8.to(acc), k8.to(acc).transpose(-1, -2))  # [T, I, N]: exact sums in fp64
     return ((logits.relu() * w[..., None]).sum(1) * ks).float()  # [T, N] fp32
 
 
 def topk_positions(scores, ctx_lens, topk):
     """Top-min(topk, N) positions of each row among its causal context (n < ctx_lens[t]); -1 pads short
-    rows. A row whose context fits in top-k selects all of it, in order (as the kernel)."""
+    rows. A row whose context fits in top-k selects all of it, in position order (as the kernel returns it:
+    the tests compare the two index for index)."""
     n = torch.arange(scores.shape[-1], device=scores.device)
     scores = scores.masked_fill(n[None, :] >= ctx_lens[:, None], float("-inf"))  # causal mask before top-k
     # Ties (exact zeros from the ReLU are common) go to the earliest position, whatever the batch shape: the
@@ -516,19 +522,20 @@ def topk_positions(scores, ctx_lens, topk):
 
 def head_weights(weights, scale, qs):
     """Each query head's weight in the indexer's score: weights_proj's output [T, I] times the constant
-    `scale` and the head's FP8 query scale qs [T, I, 1] -> [T, I]."""
+    `scale` (I^-0.5 J^-0.5, spec 3.7) and the head's FP8 query scale qs [T, I, 1] -> [T, I]."""
     return weights * scale * qs[..., 0]
 
 
 def index_topk(q8, qs, weights, scale, cache: LayerCache, meta: Meta, topk):
     """Reference of the lightning-indexer kernel: score each row's causal context against the cached FP8 keys
     (q8 [T, I, J] with its scales qs, the heads weighted by head_weights(weights, scale, qs)) and keep its
-    top-min(topk, N) positions [T, min(topk, N)] (-1 = none; N = meta.max_ctx). The rows of one request (a
-    prompt chunk, a verify row and its drafts) share its keys: gathered once."""
+    top-min(topk, W) positions [T, min(topk, W)] (-1 = none; every request is scored over W = meta.max_ctx
+    positions). The rows of one request (a prompt chunk, its k+1 verify rows) share its keys: gathered
+    once."""
     w = head_weights(weights, scale, qs)
     out = []
     for b, rows in enumerate(meta.request_rows()):
-        ctx = meta.table[b, : meta.max_ctx]  # [N] slots: every request's scores are N wide
+        ctx = meta.table[b]  # [W] slots: every request's scores are W wide
         scores = index_scores(q8[rows], w[rows], cache.ik[ctx][None], cache.iks[ctx][None])
         out.append(topk_positions(scores, meta.ctx_lens[rows], topk))
     return torch.cat(out)
@@ -545,7 +552,7 @@ class Indexer(nn.Module):
 
     def forward(self, x, qr, k, cos, sin, meta: Meta, cache: LayerCache):
         """x [T, dim], qr [T, q_lora] (MLA's normed query latent), k = wk(x) [T, J] (MLA runs it with its own
-        products of x) -> [T, min(K, N)] selected context positions per row (-1 = none; a dense prompt chunk
+        products of x) -> [T, min(K, W)] selected context positions per row (-1 = none; a dense prompt chunk
         selects all of its context, and MLA does not read it). Writes this pass's keys first, so every row can
         select its own token."""
         cfg = self.cfg
@@ -575,8 +582,8 @@ SPARSE_MLA_BLOCK_BYTES = 8 << 20
 def sparse_mla(q_abs, q_pe, cache: LayerCache, selected, meta: Meta, scale):
     """Absorbed ("MQA") sparse attention, one query row per token: the reference of the sparse MLA decode
     kernel. q_abs [T, H, C] (q_nope already multiplied into the latent space), q_pe [T, H, R]; selected [T,
-    K] each row's selected context positions (-1 = none; the valid ones first) -> o_lat [T, H, C] in the
-    accumulation dtype (fp32, the kernel's; fp64 on the CPU)."""
+    K'] (K' = min(K, W)) each row's selected context positions (-1 = none; the valid ones first) -> o_lat [T,
+    H, C] in the accumulation dtype (fp32, the kernel's; fp64 on the CPU)."""
     valid = selected >= 0  # [T, K]; the slots of the others are read (position 0's) and masked
     slots = meta.table[meta.row_req[:, None], selected.clamp(min=0)]  # [T, K] KV-pool slots
     acc = acc_dtype(q_abs)
@@ -588,7 +595,7 @@ def sparse_mla(q_abs, q_pe, cache: LayerCache, selected, meta: Meta, scale):
         kv, pe = kv.to(acc), pe.to(acc)
         scores = q_abs[rows].to(acc) @ kv.transpose(1, 2) + q_pe[rows].to(acc) @ pe.transpose(1, 2)
         scores = (scores * scale).masked_fill(~valid[rows, None, :], float("-inf"))  # [t, H, K]
-        out.append(scores.softmax(-1) @ kv)  # [t, H, C] (not rounded to fp32: the dense form is not either)
+        out.append(scores.softmax(-1) @ kv)  # [t, H, C] (in acc dtype, not rounded: attend_dense's neither)
     return torch.cat(out)
 
 
@@ -617,6 +624,11 @@ def store_latent(kv, k_pe, norm_weight, eps, cos, sin, cache: LayerCache, slots)
 
 
 class MLA(nn.Module):
+    # The absorbed form: per head, k_nope = W_UK c and v = W_UV c for a cached latent c, so q_nope . k_nope =
+    # (W_UK^T q_nope) . c. The queries move into the C-dim latent space, attention runs over the latents
+    # themselves (every head reads the same C + R values a position: "MQA"), and W_UV maps the result back to
+    # values after (sparse_mla, then head_linear). The per-head form expands the latents instead
+    # (attend_dense).
     # wkv_b dequantized once at bind (exact in bf16), split per head: fp32/fp64 (torch path), bf16 (kernels)
     w_uk = None  # [H, C, D] W_UK, transposed: q_nope -> latent space
     w_uv = None  # [H, V, C] W_UV: latent -> values
@@ -651,7 +663,7 @@ class MLA(nn.Module):
         # causal attention (the per-head form). Every other row, prefill rows included, runs the sparse
         # absorbed form.
         sparse = meta.mode == "decode" or meta.max_ctx > cfg.index_topk
-        # the queries beside the indexer's selection [T, K'] (context positions, -1 = none)
+        # the queries beside the indexer's selection [T, min(K, W)] (context positions, -1 = none)
         (q, q_pe), selected = self.ops.side_by_side(
             self.queries, (qr, cos, sin, sparse), self.indexer, (x, qr, k_index, cos, sin, meta, cache)
         )
@@ -691,7 +703,7 @@ class MLA(nn.Module):
 
 # ---- Feed-forward: SwiGLU MLP and the sigmoid-routed, group-limited MoE (spec 3.4, 3.9) --------------------
 class MLP(nn.Module):
-    """SwiGLU, w2(silu(x W1) * x W3) (mlp). A rank holds inter_dim / ranks of it: its output is an
+    """SwiGLU, w2(silu(x W1^T) * x W3^T) (mlp). A rank holds inter_dim / ranks of it: its output is an
     unrounded part of the sum (Block adds them)."""
 
     def __init__(self, dim, inter_dim):
@@ -724,7 +736,7 @@ def route(logits, bias, groups, top_groups, top_experts, scale):
 
 
 class Gate(nn.Module):
-    """The router: a bf16 product (exact: bf16 x and weight, fp32 sums), then `route`."""
+    """The router: the product of bf16 x and weight in fp32 (each term exact; fp32 out), then `route`."""
 
     def __init__(self, cfg: Config):
         super().__init__()
@@ -744,12 +756,12 @@ def moe(x, weights, idx, experts):
     """The routed experts of a MoE layer (the reference of the grouped MoE kernel): each a SwiGLU MLP over
     the tokens that chose it, summed with their routing weights in fp32. x [T, dim] bf16; weights, idx [T,
     A]; experts.w1, w3 [E, F, dim], w2 [E, dim, F] FP8 stacks -> [T, dim] fp32. Grouped as the kernel: the
-    (token, choice) pairs sorted by expert, one GEMM per expert over its rows (a row is quantized alike in
-    any group: act_quant works per row, so each is quantized once)."""
+    (token, choice) pairs sorted by expert, one GEMM per expert over its rows (x is quantized once, before the
+    gather: act_quant works per row, so this equals quantizing each expert's rows)."""
     T, A = idx.shape
     idx, order = idx.sort(-1)  # each token's experts ascending: summed in that order
     pair = idx.flatten().argsort(stable=True)  # [P] pairs t * A + a by expert, tokens ascending in each
-    pair = pair[idx.flatten()[pair] < experts.w1.weight.shape[0]]  # idx E: another rank's, skipped
+    pair = pair[idx.flatten()[pair] < experts.w1.weight.shape[0]]  # idx E: another rank's (MoE.routed)
     y = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
     if len(pair) == 0:
         return y
@@ -849,7 +861,7 @@ class MTP(nn.Module):
         u = self.eh_proj(torch.cat([self.enorm(self.embed(next_tokens)), self.hnorm(h)], -1)).to(BF16)
         # a residual stream of its own, starting at -0.0 (as Transformer.forward's)
         x, residual = self.block(u, torch.full_like(u, -0.0), cos, sin, meta, cache)
-        return self.shared_head.norm(x, residual)[0]  # also the input of the next draft step
+        return self.shared_head.norm(x, residual)[0]  # also the next draft step's h (as SGLang chains it)
 
     def logits(self, h):
         return all_gather(self.shared_head.head(h))  # fp32 [T, vocab] (vocabulary slices joined)
@@ -886,7 +898,7 @@ class Transformer(nn.Module):
         consumes)."""
         cos, sin = rope_cos_sin(self.cfg, meta.positions)
         h = self.embed(tokens)
-        residual = torch.full_like(h, -0.0)  # the residual stream: x + -0.0 is x bit for bit (+0.0 too)
+        residual = torch.full_like(h, -0.0)  # the residual stream: x + (-0.0) is x bit for bit, -0.0 too
         for i, layer in enumerate(self.layers):
             h, residual = layer(h, residual, cos, sin, meta, cache.layer(i))
         return self.norm(h, residual)[0]
@@ -913,17 +925,18 @@ DEQUANTIZE_AT_LOAD_BYTES = 2 << 30
 
 def dequantize_weights(model):
     """The references' preparation of a bound model's weights (TORCH_OPS.prepare): every Linear gets the
-    dequantized (FP8) or widened (plain) copy it computes with, a weight shared by two Linears one copy."""
-    weights = {mod.weight for mod in model.modules() if isinstance(mod, Linear)}  # (a shared one once)
+    dequantized (FP8) or widened (plain) copy it computes with, a weight shared by two Linears one copy; not
+    wkv_b, which only bind's halves W_UK and W_UV are read of."""
+    linears = [m for name, m in model.named_modules() if isinstance(m, Linear) and not name.endswith("wkv_b")]
+    weights = {mod.weight for mod in linears}  # (a shared one once)
     if sum(w.numel() for w in weights) * 8 > DEQUANTIZE_AT_LOAD_BYTES:
         return
     copies = {}  # weight -> the copy the references read
-    for mod in model.modules():
-        if isinstance(mod, Linear):
-            if mod.weight not in copies:
-                w = weight_dequant(mod.weight, mod.scale) if mod.fp8 else mod.weight.detach()
-                copies[mod.weight] = w.to(acc_dtype(mod.weight))
-            mod.dequantized = copies[mod.weight]  # (a tensor, not a second parameter)
+    for mod in linears:
+        if mod.weight not in copies:
+            w = weight_dequant(mod.weight, mod.scale) if mod.fp8 else mod.weight.detach()
+            copies[mod.weight] = w.to(acc_dtype(mod.weight))
+        mod.dequantized = copies[mod.weight]  # (a tensor, not a second parameter)
 
 
 TORCH_OPS = SimpleNamespace(
@@ -945,7 +958,7 @@ TORCH_OPS = SimpleNamespace(
     moe=moe,  # routed experts, grouped, weighted sum                (MoE)
     side_by_side=side_by_side,  # independent parts of a layer: GPU, streams (MLA, Indexer, MoE)
     prepare=dequantize_weights,  # the weights as the ops read them, once at load (Transformer.bind)
-    attn_dtype=acc_dtype,  # dtype of wkv_b's absorbed halves (exact: pow2-scaled FP8 fits bf16)
+    attn_dtype=acc_dtype,  # dtype of wkv_b's absorbed halves (kernels.py: bf16, exact for pow2-scaled FP8)
 )  # (Part 2 adds the engine's ops, uniform, sample, probs_from_logits and read_back, where it explains them)
 
 
@@ -958,8 +971,8 @@ def select_ops(kernels, device):
 # ---- Tensor and expert parallelism (torchrun): each rank holds a shard of the weights ----------------------
 # Every rank runs the same schedule. Split by rank: MLA heads, dense MLP and shared expert (w1 / w3 rows, w2
 # columns), routed experts (by index range), vocabulary. Replicated: the rest, the indexer and latent KV cache
-# included (every rank selects the same positions). One all-reduce per block half (Block), one all-gather of
-# the logits; sampling is identical on every rank.
+# included (every rank selects the same positions). One all-reduce per block half (Block) and one of the
+# embedding, one all-gather of the logits; sampling is identical on every rank.
 # The torch.distributed calls behind tp_size, tp_rank, all_reduce, all_gather and rank_slice (the index of
 # this rank's share of a checkpoint tensor) live in parallel.py.
 
@@ -967,9 +980,9 @@ def select_ops(kernels, device):
 # ---- Loader: reads any DeepSeek-V3.2 checkpoint directory shard by shard, validating every tensor ----------
 def load_model(path, device="cpu", kernels="auto", cfg=None) -> Transformer:
     """Load a DeepSeek-V3.2 HF checkpoint directory (cfg: its config, if the caller has opened it). FP8
-    weights stay FP8; norms, router bias, weights_proj and the heads are upcast to fp32 one tensor at a
-    time, as the reference does; a tensor holding nan or inf is refused by name. Under torchrun a rank
-    reads only its share."""
+    weights stay FP8; norms, router bias, weights_proj and the heads are upcast to fp32 one tensor at a time
+    (the copy into their fp32 parameters), as the reference does; a tensor holding nan or inf is refused by
+    name. Under torchrun a rank reads only its share."""
     from safetensors import safe_open
     from tqdm import tqdm
 

@@ -308,14 +308,18 @@ def test_weights_dequantized_at_load_give_the_same_logits(tiny_dir, model, monke
 
 def test_dequantize_at_load_counts_the_widened_plain_weights_too(tiny_dir, model, monkeypatch):
     """DEQUANTIZE_AT_LOAD_BYTES bounds every copy the references would make: the plain weights widened to the
-    accumulation dtype (the fp32 heads, weights_proj, eh_proj) as well as the dequantized FP8 ones."""
-    linears = {mod.weight for mod in model.modules() if isinstance(mod, m.Linear)}
+    accumulation dtype (the fp32 heads, weights_proj, eh_proj) as well as the dequantized FP8 ones. wkv_b gets
+    none: only its halves W_UK and W_UV, made at bind, are read."""
+    named = model.named_modules()
+    linears = {mod.weight for n, mod in named if isinstance(mod, m.Linear) and not n.endswith("wkv_b")}
     fp8 = sum(w.numel() for w in linears if w.dtype == torch.float8_e4m3fn)
     assert sum(w.numel() for w in linears) > fp8  # the plain weights add to the copies
     monkeypatch.setattr(m, "DEQUANTIZE_AT_LOAD_BYTES", fp8 * 8)  # room for the FP8 copies alone
     assert m.load_model(tiny_dir).head.dequantized is None
     monkeypatch.setattr(m, "DEQUANTIZE_AT_LOAD_BYTES", sum(w.numel() for w in linears) * 8)
-    assert m.load_model(tiny_dir).head.dequantized is not None
+    loaded = m.load_model(tiny_dir)
+    assert loaded.head.dequantized is not None and loaded.layers[0].attn.wq_a.dequantized is not None
+    assert all(layer.attn.wkv_b.dequantized is None for layer in loaded.layers)
 
 
 def test_random_model_on_device_equals_written_checkpoint(tiny_dir, model):
