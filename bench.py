@@ -90,14 +90,15 @@ def busy_ms(launches):
     return busy / 1e3
 
 
-def decode_batch(llm, bs, ctx, rounds, seed=0):
+def decode_batch(llm, bs, ctx, rounds, seed=0, temperature=0.0, top_p=1.0):
     """bs requests in the decode phase with ctx positions in the KV cache (random: a step's cost does not
-    depend on them) and pages for `rounds` rounds: 64 x 32K context without 2M tokens of prefill."""
+    depend on them) and pages for `rounds` rounds: 64 x 32K context without 2M tokens of prefill. How they
+    draw is written into their rows of the decode state here (LLM.start): set it through the arguments."""
     g = torch.Generator().manual_seed(seed)
     reqs = []
     for i in range(bs):
         ids = torch.randint(6, llm.cfg.vocab_size, (ctx + 1,), generator=g).tolist()
-        r = m.Request(i, ids, ctx + 1, 1 << 30, 0.0, 1.0, i, num_cached=ctx)
+        r = m.Request(i, ids, ctx + 1, 1 << 30, temperature, top_p, i, num_cached=ctx)
         reserved = llm.pool.reserve(r, ctx + (rounds + 3) * m.round_lookahead(llm.num_draft))
         assert reserved, "KV pool too small for the benchmark"
         reqs.append(r)

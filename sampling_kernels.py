@@ -2,7 +2,8 @@
 numbers, the exponential race that draws a token (sample), and the softmax cut to the top-p nucleus
 (probs_from_logits). Each public function's torch reference is the function of the same name in nano_nsa.py;
 kernels.py re-exports them. Over a full vocabulary a row is split over programs (split_rows): one program a
-row of 129,280 tokens left the GPU idle (0.73 ms a probs_from_logits row on an H200, 74 us split).
+row of 129,280 tokens left the GPU idle (0.73 ms a probs_from_logits row on an H200, 74 us split). A short row
+(the demo's 2048 tokens) is held in one program's registers instead (_probs_row_kernel).
 """
 
 import torch
@@ -185,11 +186,18 @@ def _bounds(ws, p, target, top, SP: tl.constexpr):
     k, s, S = tl.arange(0, 16), tl.arange(0, SP), tl.num_programs(1)
     lo = tl.load(ws + (4 + 2 * p) * S).to(tl.int32, bitcast=True).to(tl.int64)  # (pass p - 1's bounds)
     hi = tl.load(ws + (5 + 2 * p) * S).to(tl.int32, bitcast=True).to(tl.int64)
-    c = _tries(lo, hi)  # [16] the values pass p - 1 tried
     g = tl.load(
         ws + (6 + 2 * PASSES + 16 * (p - 1) + k[:, None]) * S + s[None, :], mask=s[None, :] < S, other=0.0
     )
-    n_above = tl.sum((tl.sum(g, 1) >= target).to(tl.int32), 0)  # the values with too much weight above
+    return _narrow(lo, hi, tl.sum(g, 1), target)
+
+
+@triton.jit
+def _narrow(lo, hi, g, target):
+    """A search pass's outcome: of the 16 values _tries(lo, hi), g [16] the weight above each, the bounds of
+    the span left around the threshold v0."""
+    k, c = tl.arange(0, 16), _tries(lo, hi)
+    n_above = tl.sum((g >= target).to(tl.int32), 0)  # the values with too much weight above
     hi_next = tl.where(n_above < 16, tl.sum(tl.where(k == n_above, c, 0), 0), hi)
     return tl.where(n_above > 0, tl.sum(tl.where(k == n_above - 1, c, 0), 0) + 1, lo), hi_next
 
@@ -297,15 +305,53 @@ def _probs_kernel(
         tl.debug_barrier()  # (between the phases of one program: what one stored, the next reads)
 
 
+# A row of up to ROW_IN_REGISTERS tokens is held in one program's registers instead, every phase at once: over
+# the demo's 2048 tokens 10.5 us a row against 30.5 through the phases' memory (H200, 2026-11-26).
+ROW_IN_REGISTERS = 8192
+
+
+@triton.jit
+def _probs_row_kernel(x_ptr, temp_ptr, top_p_ptr, out_ptr, V, BLOCK: tl.constexpr):
+    """_probs_kernel's phases for a row in registers, a program a row: the weights e and their total; the
+    threshold's search, each pass's 16 weights above summed over the row at once; the kept weights
+    normalized. A greedy row, or one whose max (e = 1) alone holds top_p of the total, is the one-hot on its
+    first max (what the search would keep)."""
+    r, cols = tl.program_id(0), tl.arange(0, BLOCK)
+    t, top_p = tl.load(temp_ptr + r), tl.load(top_p_ptr + r)
+    x, row = x_ptr + r.to(tl.int64) * V, out_ptr + r.to(tl.int64) * V
+    y = tl.load(x + cols, mask=cols < V, other=-float("inf")) / tl.where(t == 0, 1.0, t)
+    e = tl.where(cols < V, tl.exp(y - tl.max(y, 0)), 0.0)
+    target = top_p * tl.sum(e, 0)
+    if (t == 0) | ((top_p < 1.0) & (target <= 1.0)):
+        hot = tl.min(tl.where(y == tl.max(y, 0), cols, BLOCK), 0)
+        tl.store(row + cols, (cols == hot).to(tl.float32), mask=cols < V)
+    else:
+        lo, hi = tl.zeros([], tl.int64), tl.where(top_p < 1.0, 0x3F800000, 0).to(tl.int64)  # as _bounds'
+        for _ in tl.static_range(PASSES):
+            tries = _tries(lo, hi).to(tl.int32).to(tl.float32, bitcast=True)
+            above = tl.sum(tl.where(e[:, None] > tries[None, :], e[:, None], 0.0), 0)  # [16]
+            lo, hi = _narrow(lo, hi, above, target)
+        v0 = hi.to(tl.int32).to(tl.float32, bitcast=True)
+        g0 = tl.sum(tl.where(e > v0, e, 0.0), 0)
+        keep, _ = _nucleus(e, cols < V, v0, g0, target, tl.zeros([], tl.int32))
+        tl.store(row + cols, tl.where(keep, e / tl.sum(tl.where(keep, e, 0.0), 0), 0.0), mask=cols < V)
+
+
 def probs_from_logits(logits, temperature, top_p):
     """Kernel of nano_nsa.probs_from_logits: one launch for all rows (PASSES + 5 when rows are split) instead
     of some twenty kernels. Its sums run in another order than the reference's, which may move a token at the
     nucleus' edge where the mass before it is within rounding of top_p."""
-    shape = logits.shape
-    x = logits.reshape(-1, shape[-1]).float().contiguous()
+    shape, V = logits.shape, logits.shape[-1]
+    x = logits.reshape(-1, V).float().contiguous()
     t = temperature.expand(shape[:-1]).reshape(-1).float().contiguous()
     tp = top_p.expand(shape[:-1]).reshape(-1).float().contiguous()
     out = torch.empty_like(x)
-    if len(x):
+    if len(x) and V <= ROW_IN_REGISTERS:
+        # A block of at least 256 (masked columns weigh 0): over 8 or 16 columns, and 128 at 8 warps, the
+        # compiled search kept too few tokens, as if the [block, 16] sums counted some weights twice (Triton
+        # 3.6, H200; test_gpu_probs_kernel_matches_reference[7])
+        block = max(256, triton.next_power_of_2(V))
+        _probs_row_kernel[(len(x),)](x, t, tp, out, V, BLOCK=block, num_warps=8 if block <= 2048 else 32)
+    elif len(x):
         split_rows(_probs_kernel, x, PROBS_FIELDS.value, PASSES.value + 5, t, tp, out)
     return out.view(shape)

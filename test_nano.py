@@ -2269,15 +2269,18 @@ def test_gpu_full_width_logits_do_not_depend_on_the_batch(tmp_path, monkeypatch)
 _INTERPRETED_SAMPLING = """
 import torch, nano_nsa as m, sampling_kernels as k
 k.ROW_CHUNK = 1024  # rows of more than 4096 tokens split into chunks of 1024: the split path on small rows
+k.ROW_IN_REGISTERS = 2048  # rows of up to 2048 in registers, of 2049-4096 the phases in one program
 gen = torch.Generator().manual_seed(0)
-for V in (7, 1500, 5000):
+for V in (7, 1500, 3000, 5000):
     logits = torch.randn(4, 2, V, generator=gen) * 3
     logits[0, 0, :3] = logits[0, 0, 3]  # tied tokens
     logits[1, 1, [5, V // 2, V - 1]] = 40.0  # a greedy row's maximum three times: the first one wins
+    logits[2, 1, 3] = 30.0  # a token that holds the nucleus (top-p 0.9) alone
+    logits[3, 1, [3, 4]] = 30.0  # two tied ones, each more than top-p 0.4 of the mass: the first alone
     if V > 4096:  # 40 tied tokens holding most of the mass, across the chunk boundary at 1024, cut by top-p
         logits[3, 0, 1000:1040] = 20.0
     t = torch.tensor([0.6, 0.0, 1.0, 2.0])[:, None]
-    top_p = torch.tensor([0.95, 0.9, 1.0, 0.5])[:, None]
+    top_p = torch.tensor([[0.95, 0.95], [0.9, 0.9], [1.0, 0.9], [0.5, 0.4]])
     want, got = m.probs_from_logits(logits, t, top_p), k.probs_from_logits(logits, t, top_p)
     assert ((got > 0) == (want > 0)).all(), V
     assert (got - want).abs().max() < 1e-6, V
@@ -2336,21 +2339,24 @@ def test_gpu_sample_kernel_matches_reference(V):
 
 
 @gpu
-@pytest.mark.parametrize("V", [7, 2048, 129280])
+@pytest.mark.parametrize("V", [7, 2048, 6000, 10000, 129280])
 def test_gpu_probs_kernel_matches_reference(V):
-    """Sampling distributions (softmax / T cut to the top-p nucleus; one-hot for T = 0) from the kernel (one
-    launch, or a row split over programs for a full vocabulary) vs the reference's sort: the same kept tokens
-    (ties included, also across the split) and probabilities within fp32 rounding, for temperatures 0-2 and
-    top-p 0.5-1, as a round calls it ([B, k+1, V] with per-request settings)."""
+    """Sampling distributions (softmax / T cut to the top-p nucleus; one-hot for T = 0) from the kernel (a row
+    in registers up to 8192 tokens, the phases in one program up to 16384, a row split over programs for a
+    full vocabulary) vs the reference's sort: the same kept tokens (ties included, also across the split) and
+    probabilities within fp32 rounding, for temperatures 0-2 and top-p 0.5-1, as a round calls it ([B, k+1,
+    V] with per-request settings)."""
     import kernels
 
     gen = torch.Generator().manual_seed(V)
     logits = torch.randn(4, 3, V, generator=gen) * 3
     logits[0, 0, :3] = logits[0, 0, 3]  # tied tokens
+    logits[2, 2, 3] = 30.0  # a token that holds the nucleus (top-p 0.9) alone
+    logits[3, 2, [3, 4]] = 30.0  # two tied ones, each more than top-p 0.4 of the mass: the first alone
     if V > 4096:  # 200 tied tokens holding most of the mass, across the kernel's chunks of 4096, cut by top-p
         logits[3, 0, 4000:4200] = 20.0
     temperature = torch.tensor([0.6, 0.0, 1.0, 2.0])[:, None]
-    top_p = torch.tensor([0.95, 0.9, 1.0, 0.5])[:, None]
+    top_p = torch.tensor([[0.95] * 3, [0.9] * 3, [1.0, 1.0, 0.9], [0.5, 0.5, 0.4]])
     want = m.probs_from_logits(logits.cuda(), temperature.cuda(), top_p.cuda()).cpu()
     got = kernels.probs_from_logits(logits.cuda(), temperature.cuda(), top_p.cuda()).cpu()
     differ = ((got > 0) != (want > 0)).any(-1).nonzero().tolist()
