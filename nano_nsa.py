@@ -736,7 +736,7 @@ def route(logits, bias, groups, top_groups, top_experts, scale):
 
 
 class Gate(nn.Module):
-    """The router: the product of bf16 x and weight in fp32 (each term exact; fp32 out), then `route`."""
+    """The router: the product of bf16 x and weight in acc_dtype (each term exact; fp32 out), then `route`."""
 
     def __init__(self, cfg: Config):
         super().__init__()
