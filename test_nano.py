@@ -1664,6 +1664,20 @@ def test_bench_refuses_what_does_not_fit_in_one_line():
     assert bench.check_fits(9, positions, 139 << 30) is None
 
 
+def test_bench_decode_batch_writes_how_its_requests_draw(tiny_dir):
+    """bench.decode_batch writes its requests' rows of the decode state (LLM.start), so how they draw comes
+    through its arguments: the rows of a sampled benchmark sample. (Setting a request's temperature afterwards
+    leaves its row greedy: issue 32's tenth pass timed such rows as sampled ones.)"""
+    import bench
+
+    llm = make_llm(tiny_dir, 2)
+    reqs = bench.decode_batch(llm, 3, 40, 2, temperature=0.6, top_p=0.95)
+    rows = torch.tensor([r.row for r in reqs])
+    assert torch.equal(llm.state.temperature[rows], torch.full((3,), 0.6))
+    assert torch.equal(llm.state.top_p[rows], torch.full((3,), 0.95))
+    bench.release(llm, reqs)
+
+
 def test_memory_check_counts_each_ranks_share_of_the_split_weights(monkeypatch):
     """checks.weight_bytes (what loading allocates, whole and split over ranks) against a model built as rank
     0 of 2 builds it: its parameters' bytes are the whole part plus half the split part (the check's "fits
