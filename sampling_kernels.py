@@ -320,10 +320,11 @@ def _probs_row_kernel(x_ptr, temp_ptr, top_p_ptr, out_ptr, V, BLOCK: tl.constexp
     t, top_p = tl.load(temp_ptr + r), tl.load(top_p_ptr + r)
     x, row = x_ptr + r.to(tl.int64) * V, out_ptr + r.to(tl.int64) * V
     y = tl.load(x + cols, mask=cols < V, other=-float("inf")) / tl.where(t == 0, 1.0, t)
-    e = tl.where(cols < V, tl.exp(y - tl.max(y, 0)), 0.0)
+    m = tl.max(y, 0)
+    e = tl.where(cols < V, tl.exp(y - m), 0.0)
     target = top_p * tl.sum(e, 0)
     if (t == 0) | ((top_p < 1.0) & (target <= 1.0)):
-        hot = tl.min(tl.where(y == tl.max(y, 0), cols, BLOCK), 0)
+        hot = tl.min(tl.where(y == m, cols, BLOCK), 0)
         tl.store(row + cols, (cols == hot).to(tl.float32), mask=cols < V)
     else:
         lo, hi = tl.zeros([], tl.int64), tl.where(top_p < 1.0, 0x3F800000, 0).to(tl.int64)  # as _bounds'
