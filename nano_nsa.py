@@ -1069,8 +1069,8 @@ def mix32(x):
 
 def uniform(seeds, positions, stream, n):
     """Uniform numbers in (0, 1] [*positions.shape, n], a hash of (seed, position, stream, column); seeds
-    (int64, >= 0) broadcast against positions. (^ key twice: no row is a permutation of another's.) 32 bits in
-    fp32: near 0 as fine as 2^-32, where `sample` decides the unlikely tokens; 1 with probability 2^-25."""
+    (int64, >= 0) broadcast against positions. 32 bits in fp32: as fine as 2^-32 near 0 (exponential). (The
+    key enters twice: from key ^ column alone, keys that differ in low bits only would give permuted rows.)"""
     key = mix32(mix32(mix32(seeds & M32) ^ (seeds >> 32)) ^ positions)
     key = mix32(key ^ stream)[..., None]
     bits = mix32(mix32(key ^ torch.arange(n, device=positions.device)) ^ key)
@@ -1088,8 +1088,8 @@ def exponential(u):
 
 def sample(probs, seeds, positions, stream):
     """One draw from each row of probs [..., V] (weights, not necessarily normalized) by the exponential race:
-    argmax p / E with E ~ Exp(1) is an exact draw from p, with no host round trip (E from `uniform`'s numbers:
-    a token of probability down to about 1e-10 wins as often as it should)."""
+    argmax p / E, E ~ Exp(1), is an exact draw from p with no host round trip (down to about 1e-10: a token
+    that unlikely still wins as often as it should)."""
     e = exponential(uniform(seeds, positions, stream, probs.shape[-1]))
     return (probs / e.to(probs.dtype)).argmax(-1)
 
@@ -1152,14 +1152,13 @@ def residual_probs(p, q):
 
 
 def accept(ops, batch: Batch, logits):
-    """Speculative acceptance of every request at once, on the device. batch.tokens [B, k+1]: x_L then the
-    drafts d_1..d_k (d_j at position L+j, L = batch.start); logits [B, k+1, V]: the main model's at those
-    rows; batch.q [B, k, V]: the distributions the drafts were drawn from -> (emitted [B, k+1]: the accepted
-    drafts, then one token of the main model; counts [B]: how many of them). A greedy batch keeps the longest
-    prefix of drafts equal to the argmax, then the argmax. Sampling keeps d_j with probability min(1, p(d_j) /
-    q(d_j)), and at the first rejection draws from max(p - q, 0), after k acceptances from p: the output
-    follows the main model's distribution exactly. (A greedy row of a sampling batch has a one-hot p: p(d_j) >
-    0 accepts exactly the drafts equal to its argmax, whatever its q: greedy rounds leave q stale.)"""
+    """Speculative acceptance of every request at once, on the device: batch.tokens [B, k+1] x_L, d_1..d_k at
+    positions L..L+k (L = batch.start), batch.q [B, k, V] the drafts' distributions; logits [B, k+1, V] the
+    main model's at those rows -> (emitted [B, k+1]: the accepted drafts, then one token of the main model;
+    counts [B]: how many). Greedy keeps the longest prefix of drafts equal to the argmax, then the argmax.
+    Sampling keeps d_j with probability min(1, p(d_j) / q(d_j)), then draws from residual_probs (from p after
+    k acceptances): the output follows p exactly. (A greedy row of a sampling batch has a one-hot p: p(d_j) >
+    0 accepts exactly the drafts equal to its argmax, whatever its q, which greedy rounds leave stale.)"""
     B, n, _ = logits.shape
     drafts, start = batch.tokens[:, 1:], batch.start
     if not batch.sampling:
@@ -1196,8 +1195,7 @@ class Request:
     return_logits: bool = False  # keep the main-model logits row of every emitted token in `logits`
     on_tokens: object = None  # called as on_tokens(idx, [token]) for every emitted token
     logits: list = field(default_factory=list)
-    accept_lengths: list = field(default_factory=list)  # each decode round's tokens accepted (emitted,
-    # counting any that EOS or max_new_tokens then cut)
+    accept_lengths: list = field(default_factory=list)  # per round: tokens emitted, before EOS/length cuts
     finish: str = None  # "eos" | "length" once done
 
     @property
@@ -1233,7 +1231,8 @@ class Result:
 # ---- The KV page pool: a request owns pages; position p lives in slot pages[p // P] * P + p % P ------------
 class PagePool:
     """Hands out the KV cache's slots by pages of `page_size`. Page 0 is never given out: its slot 0 is the
-    dummy slot that padding rows write to."""
+    dummy slot, written by rows that hold no real token (a CUDA graph's padding rows, which fill a batch up to
+    its bucket: CudaGraphs; draft-extend's rows past what a request emitted: speculative_round)."""
 
     def __init__(self, cache: KVCache, page_size):
         self.cache = cache
@@ -1264,8 +1263,9 @@ class PagePool:
 
     def swap_out(self, req):
         """Move a preempted request's KV (every layer, every slot of its pages) to host memory and give its
-        pages back. Swapping it in later restores exactly the bits it had: recomputing them through the
-        prefill path would not (its numerics differ from the decode path that first wrote them)."""
+        pages back. The copy waits for the round in flight, so it holds that round's writes too. Swapping it
+        in later restores exactly the bits it had: recomputing them through the prefill path would not (its
+        numerics differ from the decode path that first wrote them)."""
         slots = self.table([req])[0]
         req.swapped = [t[:, slots].cpu() for t in self.cache.tensors()]
         self.release(req)
@@ -1300,11 +1300,9 @@ class PagePool:
 
 # ---- The scheduler: admission, chunked prefill, preemption -------------------------------------------------
 def round_lookahead(num_draft):
-    """Positions a request needs past num_cached L (as the host knows it) for the next decode round, with k =
-    num_draft. The host keeps one round in flight (LLM.decode), which moves L to some L' <= L+k+1 before the
-    host learns it. The next round starts at L': verify writes L'..L'+k, and its k-1 draft steps write up to
-    L'+2k-1 <= L+3k. So positions 0..L+3k, 3k+1 past L; 3k+2, so that k = 0 fits too (the round in flight
-    moves L to L+1, and the next round writes L+1)."""
+    """Positions past num_cached L (the host's, a round behind: LLM) that the next decode round needs, k =
+    num_draft. The round in flight moves L to L' <= L+k+1; the next writes L'..L'+k (verify) and up to
+    L'+2k-1 <= L+3k (its k-1 draft steps): 3k+1 past L, and 3k+2 so that k = 0 (writing L+1) fits too."""
     return 3 * num_draft + 2
 
 
@@ -1327,10 +1325,10 @@ class Scheduler:
         self.preemptions = 0
 
     def schedule(self):
-        """-> ("prefill", [(request, first position, length)]) or ("decode", [requests with pages for a
-        round])."""
+        """-> ("prefill", [(request, first position, length)]) or ("decode", [requests, pages reserved])."""
         self.admit()
-        prefilling = [r for r in self.running if r.num_cached < r.prompt_len - 1]  # (the last: LLM.prefill)
+        # (a prompt's last token is x_L of its first decode round: LLM.prefill)
+        prefilling = [r for r in self.running if r.num_cached < r.prompt_len - 1]
         if prefilling:
             return "prefill", self.prefill_chunks(prefilling)
         return "decode", self.reserve_round()
@@ -1366,13 +1364,12 @@ class Scheduler:
         return chunks
 
     def reserve_round(self):
-        """Pages for one decode round of every running request, preempting the newest while the pool is
-        short."""
+        """Pages for a decode round of every running request; preempts the newest while the pool is short."""
         lookahead = round_lookahead(self.num_draft)
         for r in list(self.running):
             while r in self.running and not self.pool.reserve(r, r.num_cached + lookahead):
-                newest = self.running[-1]  # preempted: its KV to host memory, to the front of the queue
-                self.pool.swap_out(newest)  # (then moved: drop_all finds it, whenever a Ctrl-C comes)
+                # swapped out while still running: a Ctrl-C at any point leaves it in a list drop_all empties
+                self.pool.swap_out(self.running[-1])
                 self.waiting.insert(0, self.running.pop())
                 self.preemptions += 1
         return list(self.running)
@@ -1396,12 +1393,10 @@ class Scheduler:
 
 # ---- The speculative round: verify -> accept -> draft-extend -> draft, one function of device tensors ------
 def speculative_round(model, cache, state: Batch, ids, sampling, table):
-    """One decode round of the requests whose rows of `state` are ids [B], on the device with no host
-    synchronization (a CUDA graph captures it whole) -> (emitted [B, k+2]: the emitted tokens, then how many;
-    the verify logits [B, k+1, V]); their rows then hold the next round's inputs. sampling: whether any of
-    them samples. table [B, W]: the requests' page-table rows, W a bound on every causal length (the width
-    the indexer scores; a CUDA graph's padding row is row 0 of `state`, its table row all slot 0, and its
-    start stays at 0). The four phases:
+    """One decode round of the requests in rows ids [B] of `state` (sampling: whether any samples; table [B,
+    W]: their page-table rows), on the device with no host synchronization (a CUDA graph captures it whole) ->
+    (emitted [B, k+2]: the emitted tokens, then how many; the verify logits [B, k+1, V]); their rows then hold
+    the next round's inputs. The four phases:
     1. verify: the main model over x_L, d_1..d_k of every request, each a decode row of its own, with its own
        position and causal length (the indexer masks each row's future before its top-k);
     2. accept: the drafts the main model agrees with, then one token of its own (accept);
@@ -1430,16 +1425,16 @@ def speculative_round(model, cache, state: Batch, ids, sampling, table):
         if q is not None:
             state.q[ids] = q
     state.tokens[ids] = next_tokens
-    state.start.index_add_(0, ids, counts * (table[:, 0] > 0))  # a padding row (slots all 0) stays at 0
+    # a padding row (its table all slot 0) stays at position 0: its rows stay inside any table's width
+    state.start.index_add_(0, ids, counts * (table[:, 0] > 0))
     return torch.cat([emitted, counts[:, None]], 1), logits
 
 
 def draft(model, cache, h, start, batch, table):
     """The batch's k draft tokens per request, on the device: d_1 from the MTP row just run at position start
     - 1 (start [B]: L', the next round's, not batch.start; its hidden state h [B, dim]), then k-1 chained MTP
-    decode steps at positions start, start + 1, ... ->
-    (drafts [B, k], the distributions q [B, k, vocab] they were drawn from; None for a greedy batch, whose
-    drafts are the argmax)."""
+    decode steps at positions start, start + 1, ... -> (drafts [B, k], the distributions q [B, k, vocab] they
+    were drawn from; None for a greedy batch, whose drafts are the argmax)."""
     B, k = len(start), batch.tokens.shape[1] - 1
     rows = torch.arange(B, device=start.device)
     tokens, dists = [], []
@@ -1476,16 +1471,15 @@ def graph_buckets(max_bs, rows_per_req, tp=1):
 
 
 class CudaGraphs:
-    """speculative_round as CUDA graphs, one per batch-size bucket, context bound and kind of round (greedy or
-    sampling), each captured when a round first needs it: the context bound is the indexer's width, a shape
-    of the graph, and a sampling round has work of its own (the distributions). A replay reads the rows of the
-    decode state named by one static buffer of ids (padding rows: row 0, writing the dummy slot 0) and one
-    static page table."""
+    """speculative_round as CUDA graphs, each captured when a round first needs it: one per batch-size bucket,
+    context bound (the indexer's width, a shape of the graph) and kind (a sampling round computes the
+    distributions too). A replay reads the rows of the decode state named in one static buffer of ids
+    (padding rows: row 0, their table rows all the dummy slot 0) through one static page table."""
 
     def __init__(self, model, cache, state: Batch, num_draft, max_batch, max_context, page_size):
         self.model, self.cache, self.state = model, cache, state
         self.buckets = graph_buckets(max_batch, num_draft + 1, tp_size())
-        context = max_context + round_lookahead(num_draft) + 1  # the furthest position a round writes, +1
+        context = max_context + round_lookahead(num_draft) + 1  # a bound on any round's table width
         self.max_width = -(-context // page_size) * page_size
         ints = functools.partial(torch.zeros, dtype=torch.long, device=state.start.device)
         self.table = ints(self.buckets[-1], self.max_width)
@@ -1508,8 +1502,8 @@ class CudaGraphs:
         bs = next(b for b in self.buckets if b >= B)
         key = (bs, self.width(table.shape[1]), sampling)
         self.ids[:B] = ids
-        self.table[:B, : table.shape[1]] = table
-        if B < bs:  # padding rows: row 0 of the state, every position the dummy slot
+        self.table[:B, : table.shape[1]] = table  # (columns past it: stale, past every row's causal length)
+        if B < bs:
             self.ids[B:bs], self.table[B:bs, : key[1]] = 0, 0
         if key not in self.graphs:
             self.capture(key)
@@ -1518,8 +1512,8 @@ class CudaGraphs:
         return out
 
     def capture(self, key):
-        """Capture the round for (bucket, context bound, sampling) on the static ids and table, which the
-        capture zeroes for its warm-up run (every row is then row 0, writing slot 0) and restores."""
+        """Capture the round for (bucket, context bound, sampling) on the static ids and table (which
+        kernels.capture zeroes for its warm-up run, then restores)."""
         bs, width, sampling = key
         tensors = (self.model, self.cache, self.state, self.ids[:bs], sampling, self.table[:bs, :width])
         round_ = functools.partial(speculative_round, *tensors)
@@ -1534,10 +1528,11 @@ class LLM:
     """DeepSeek-V3.2 engine: generate() admits requests, then runs steps (schedule, prefill or decode round,
     retire) until every request is done. A decode round is speculative_round over every running request
     (from a CUDA graph where the engine has them), read back once. A round starts from the inputs the round
-    before left on the device (each request's row of `state`), so the host launches round n+1 before it reads
-    round n back, and applies round n (LLM.apply) while the GPU runs round n+1, whether the batch changed or
-    not (not when round n may end every request: LLM.decode). A request that finishes in round n still runs
-    in round n+1, already launched, writing only into its own pages and row."""
+    before left on the device (each request's row of `state`), so the host keeps one round in flight: it
+    launches round n+1 before it reads round n back, and applies round n (LLM.apply) while the GPU runs round
+    n+1, whether the batch changed or not (near the end: LLM.decode). A request that finishes in round n still
+    runs in round n+1, writing only into its own pages and row: the GPU runs in launch order, so whoever gets
+    them next writes after that round."""
 
     def __init__(
         self,
@@ -1647,11 +1642,10 @@ class LLM:
         """Prompt chunks [(request, first position, length)] into the KV cache: the main model over their
         rows, then the MTP layer over the same rows (its own KV), position p pairing the main hidden h_p with
         the prompt's next token x_{p+1}. A prompt's last token x_{P-1} is not prefilled: it is x_L of the
-        request's first decode round, so every token a request emits is drawn by a round. That round's drafts
-        repeat the MTP layer's guess of x_P from the prompt's last prefilled row: its argmax, drawn from a
-        one-hot q, which keeps acceptance exact for a sampling request too. (Only the first is a real guess:
-        chained ones would need MTP decode steps in the prefill step; verify tests the copies at no extra
-        cost, as their rows are there anyway.)"""
+        request's first decode round, so every token a request emits is drawn by a round. That round's k
+        drafts all repeat the MTP layer's guess of x_P from the last prefilled row, an argmax, so drawn from a
+        one-hot q (acceptance stays exact when sampling). Only d_1 is a real guess (chaining would need MTP
+        decode steps here); verify tests the copies at no extra cost, their rows being there anyway."""
         reqs, starts, lens = zip(*chunks, strict=True)
         meta = Meta.build("prefill", starts, lens, self.pool.table(reqs))
         pairs = [r.tokens[p : p + 2] for r, s, n in chunks for p in range(s, s + n)]  # (x_p, x_{p+1})
@@ -1670,11 +1664,11 @@ class LLM:
         self.start([r for r, _ in done], guess)  # they decode from now on: their rows of the decode state
 
     def decode(self, reqs):
-        """One speculative round of `reqs`, from their rows of the decode state (written by LLM.start for a
-        request's first round), then the round before it is applied (LLM.apply). Near the end, when the round
-        in flight may finish every request, it is applied first: a round launched after it could be wasted
-        work that generate waits for. Returns whether a round was launched."""
-        near_end = all(len(r.tokens) - r.prompt_len + self.num_draft + 1 >= r.max_new_tokens for r in reqs)
+        """Launch one speculative round of `reqs` from their rows of the decode state (LLM.start writes a
+        request's first), then apply the round before (LLM.apply); near the end, when the round in flight may
+        finish every request, apply it first (a round launched after it could be wasted work that generate
+        waits for). Returns whether a round was launched."""
+        near_end = all(len(r.generated) + self.num_draft + 1 >= r.max_new_tokens for r in reqs)
         if near_end:
             self.settle()
             reqs = [r for r in reqs if r.finish is None]
@@ -1685,8 +1679,7 @@ class LLM:
             self.rows = (reqs, to_device(torch.tensor([r.row for r in reqs]), self.device))
         ids = self.rows[1]
         sampling = any(r.temperature > 0 for r in reqs)
-        # their page tables (with the pages reserve_round just added), cut to the furthest position the round
-        # may write (num_cached is a round behind)
+        # their page tables (with reserve_round's new pages), cut to the furthest position it may write
         table = self.pool.table(reqs)[:, : max(r.num_cached for r in reqs) + round_lookahead(self.num_draft)]
         if self.graphs:
             emitted, logits = self.graphs.run(ids, sampling, table)
@@ -1694,8 +1687,7 @@ class LLM:
             emitted, logits = speculative_round(self.model, self.cache, self.state, ids, sampling, table)
         if any(r.return_logits for r in reqs):  # (a CUDA graph's next replay overwrites them)
             logits = logits.clone()
-        # round n+1 is queued; round n (`previous`: None after a settle) is applied only now, so the host's
-        # bookkeeping runs while the GPU runs
+        # round n+1 is queued; apply round n (None after a settle) now, while the GPU runs n+1
         previous, self.launched = self.launched, (reqs, self.model.ops.read_back(emitted), logits)
         if previous:
             self.apply(*previous)
@@ -1704,8 +1696,8 @@ class LLM:
     def start(self, reqs, drafts=None):
         """Give requests whose prompt is prefilled a row of the decode state that no live request holds
         (row 0 is padding's), and write their first round's inputs there: the last prompt token and its
-        position, how they draw, and the drafts [B, k] (prefill's guess, drawn by an argmax: from a one-hot q;
-        None, placeholders: a one-token prompt, which has no prefill step, starts at its first round)."""
+        position, how they draw, and the drafts [B, k] (LLM.prefill's guess, with its one-hot q; None: zeros,
+        for a one-token prompt, which has no prefill step)."""
         if not reqs:
             return
         live = {r.row for r in self.scheduler.running + self.scheduler.waiting + reqs}
