@@ -131,9 +131,9 @@ TINY |= dict(index_n_heads=4, index_topk=32)  # the indexer
 #              one rank; under torchrun a layer holds its rank's share of the weights and sums the parts.
 # The FP8 block format (spec 3.3): a weight W [out, in] is stored as float8_e4m3fn W8 with one float32 scale
 # per 128x128 block, a power of two (ue8m0), W = W8 * scale (weight_dequant); an activation is quantized per
-# row in 1x128 groups with power-of-two scales too (act_quant). fp8_linear multiplies the two: each product of
-# FP8 values and power-of-two scales is exact, only the sums round. On the GPU one block-scaled FP8 GEMM with
-# fp32 sums (fp8_gemm.py), here dequantize both and multiply in acc_dtype (fp64 on the CPU).
+# row in 1x128 groups with power-of-two scales too (act_quant). FP8 times a power of two is exact in fp32,
+# fp64 and bf16, and so is the product of two such values in fp32: only fp8_linear's sums round. On the GPU
+# one block-scaled FP8 GEMM with fp32 sums (fp8_gemm.py), here both dequantized and multiplied in acc_dtype.
 def pow2_ceil(x: torch.Tensor) -> torch.Tensor:
     """Smallest power of two >= x (x > 0 normal fp32), exactly, by the reference's exponent bit trick: a
     nonzero mantissa carries into the exponent, then the mantissa is cleared."""
@@ -157,15 +157,13 @@ def act_dequant(q: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
 
 
 def per_element(scale: torch.Tensor, shape) -> torch.Tensor:
-    """Block scales [..., ceil(out/128), ceil(in/128)] -> one scale per weight element [..., out, in] (edge
-    blocks cut)."""
+    """Block scales [..., ceil(out/128), ceil(in/128)] (edge blocks partial) -> per element [..., out, in]."""
     rows = scale.repeat_interleave(BLOCK, -2)[..., : shape[-2], :]
     return rows.repeat_interleave(BLOCK, -1)[..., : shape[-1]]
 
 
 def weight_dequant(w: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """W[r, c] = fp8 W8[r, c] * scale[r // 128, c // 128] (the checkpoint's weight_scale_inv), in fp32 (exact:
-    a power-of-two scale)."""
+    """W[r, c] = W8[r, c] * scale[r // 128, c // 128] (the checkpoint's weight_scale_inv), in fp32 (exact)."""
     return w.float() * per_element(scale, w.shape)
 
 
@@ -177,10 +175,9 @@ def acc_dtype(x: torch.Tensor):
 
 
 def fp8_linear(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, partial=False) -> torch.Tensor:
-    """y = act_quant(x) @ W^T for a block-scaled FP8 weight, bf16 out (partial: the unrounded accumulator,
-    rounded after the all-reduce). Pow2 scales keep both operands exact: it equals the reference `fp8_gemm`
-    up to sum order. act_quant is never skipped: it rounds x to a 3-bit mantissa, as the reference does.
-    scale None: w was dequantized at load (dequantize_weights)."""
+    """y = act_quant(x) @ W^T for a block-scaled FP8 weight, bf16 out (partial: unrounded). Exact operands: it
+    equals the reference `fp8_gemm` up to sum order. act_quant is never skipped: it rounds x to a 3-bit
+    mantissa, as the reference does. scale None: w was dequantized at load (dequantize_weights)."""
     acc = acc_dtype(x)
     if scale is not None:
         w = weight_dequant(w, scale)
@@ -199,25 +196,25 @@ def param(*shape, dtype):
 
 
 class Linear(nn.Module):
-    """x W^T. fp8=True: float8_e4m3fn weight + float32 `scale` per 128x128 block; else a plain `dtype`
-    weight. n: a stack of n weights [n, out, in] (the routed experts, read by the MoE op). split (Megatron's
-    column / row parallel): 'col' this rank holds out / ranks output features (rows of W), 'row' in / ranks
-    input features (columns of W: the output is a partial sum the caller all-reduces), None all of it."""
+    """x W^T. fp8=True: float8_e4m3fn weight + float32 `scale` per 128x128 block; else a plain `dtype` weight.
+    n: a stack of n weights [n, out, in] (the routed experts, read by the MoE op). split (Megatron's column /
+    row parallel): 'col' this rank holds out / tp_size() output features (rows of W), 'row' in / tp_size()
+    input features (columns of W: the output is a partial sum, unrounded until Block), None all of it."""
 
-    dequantized = None  # the weight dequantized (FP8) or widened (plain) at bind, for the references
+    dequantized = None  # the references' copy of the weight, made at load (DEQUANTIZE_AT_LOAD_BYTES)
 
     def __init__(self, in_features, out_features, fp8=True, dtype=BF16, n=None, split=None):
         super().__init__()
         self.fp8 = fp8
         self.split = split  # (checks.weight_bytes counts a split weight's bytes as shared by the ranks)
-        self.partial = split == "row"  # output unrounded: rounded after the all-reduce
+        self.partial = split == "row"  # output unrounded (Block)
         if split == "col":
             out_features //= tp_size()
         if split == "row":
             in_features //= tp_size()
         stack = [n] if n else []
         self.weight = param(*stack, out_features, in_features, dtype=FP8 if fp8 else dtype)
-        blocks = (-(-out_features // BLOCK), -(-in_features // BLOCK))  # 128x128 blocks, edge blocks cut
+        blocks = (-(-out_features // BLOCK), -(-in_features // BLOCK))  # ceil: 128x128 blocks, partial edges
         self.scale = param(*stack, *blocks, dtype=torch.float32) if fp8 else None
 
     def forward(self, x):
@@ -228,7 +225,7 @@ class Linear(nn.Module):
 
     def operands(self):
         """(weight, scale) as the ops read them: the weight as loaded and its block scales (None for a plain
-        weight), or the copy the references dequantized or widened at load and None."""
+        weight), or the references' copy (Linear.dequantized) and None."""
         if self.dequantized is not None:
             return self.dequantized, None
         return self.weight, self.scale
@@ -246,25 +243,22 @@ def swiglu(gate, up):
 
 
 def mlp(x, w1, w3, w2):
-    """The SwiGLU MLP w2(silu(x W1^T) * x W3^T) (w2 split by rows: an unrounded partial sum). On the GPU w1 |
-    w3 are one GEMM, and SwiGLU runs inside w2's act-quant."""
+    """The SwiGLU MLP w2(silu(x W1^T) * x W3^T), unrounded (w2 split by rows). On the GPU w1 | w3 are one
+    GEMM, and SwiGLU runs inside w2's act-quant."""
     return w2(swiglu(w1(x), w3(x)))
 
 
 def side_by_side(first, first_args, second, second_args):
-    """(first(*first_args), second(*second_args)): two independent parts of a layer that meet only when both
-    are done (MLA's queries and the indexer; the indexer's head weights and queries; the shared and routed
-    experts). Here one after the other; on the GPU side by side, second (the longer chain) on a stream of
-    higher priority (kernels.side_by_side), so that one part's short, latency-bound kernels fill the SMs the
-    other leaves idle: the same bits either way."""
+    """(first(*first_args), second(*second_args)): independent parts of a layer, joined when both are done.
+    Here in turn; on the GPU at once (kernels.side_by_side), second (the longer chain) on a higher-priority
+    stream, so one part's short, latency-bound kernels fill the SMs the other leaves idle: same bits."""
     return first(*first_args), second(*second_args)
 
 
 def rms_norm(x, residual, weight, eps):
-    """RMSNorm in fp32 with an fp32 weight, bf16 out. x is first rounded to bf16: a block half's output
-    arrives here as its unrounded fp32 sum over ranks, rounded once, here (the reference's layers return
-    bf16). With `residual`: adds it first (fp32), and also returns the new residual stream rounded to bf16, as
-    the reference's fused form."""
+    """RMSNorm in fp32 with an fp32 weight, bf16 out. x is first rounded to bf16: an attention or FFN half's
+    output (Block) arrives unrounded, rounded here once (the reference's layers return bf16). With `residual`:
+    adds it first (fp32), and also returns the new residual stream in bf16, as the reference's fused form."""
     x = x.to(BF16).float()
     if residual is not None:
         x = x + residual.float()
@@ -285,8 +279,7 @@ class RMSNorm(nn.Module):
 
 
 class Embedding(nn.Module):
-    """Vocabulary-parallel: a rank holds vocab / ranks rows; tokens outside them add zeros to the
-    all-reduce."""
+    """Vocabulary-parallel: a rank holds vocab / tp_size() rows; other tokens add zeros to the all-reduce."""
 
     def __init__(self, vocab, dim):
         super().__init__()
@@ -301,7 +294,7 @@ class Embedding(nn.Module):
         return all_reduce(F.embedding(local.clamp(0, rows - 1), self.weight) * mine[..., None])
 
 
-_FREQS = {}  # f'_i on each device, by the rope fields of the config
+_FREQS = {}  # yarn_frequencies' f'_i on each device, by the rope fields of the config
 
 
 def yarn_frequencies(cfg: Config):
@@ -322,8 +315,8 @@ def yarn_frequencies(cfg: Config):
 
 
 def rope_cos_sin(cfg: Config, positions: torch.Tensor):
-    """cos/sin of theta[t, i] = fp32(t) * f'_i, each [T, R/2] fp32. (YaRN's mscale goes into the softmax
-    scale.)"""
+    """cos/sin of theta[t, i] = fp32(t) * f'_i, each [T, R/2] fp32: once per pass, by the model. (YaRN's
+    mscale goes into the softmax scale.)"""
     key = (cfg.qk_rope_head_dim, cfg.rope_theta, cfg.rope_factor, cfg.original_seq_len, cfg.beta_fast)
     key += (cfg.beta_slow, positions.device)  # (the fields yarn_frequencies reads)
     if key not in _FREQS:  # once per device: a CUDA graph cannot copy from the host
@@ -362,16 +355,15 @@ def hadamard(x: torch.Tensor) -> torch.Tensor:
 
 
 def top_indices(x, k):
-    """Indices of the k largest values along the last dim, ties to the lowest index, whatever the batch
-    (torch.topk breaks ties in an order that may change with the batch shape)."""
+    """Indices of the k largest values along the last dim, ties to the lowest index, whatever the batch (the
+    reference's torch.topk breaks ties in an order that may change with the batch shape)."""
     return x.sort(dim=-1, descending=True, stable=True).indices[..., :k]
 
 
 # ---- Forward metadata: one Meta per forward pass, shared by every layer; the KV cache, a layer's view ------
 def to_device(x: torch.Tensor, device) -> torch.Tensor:
-    """Host -> device without waiting: a copy from pageable memory blocks the host until the GPU reaches
-    it, so the engine could never run ahead of the GPU. (torch reuses a pinned block only once its copy has
-    run.)"""
+    """Host -> device without waiting: a copy from pageable memory blocks the host until the GPU reaches it,
+    so the engine could never run ahead. (torch reuses a pinned block only once its copy has run.)"""
     if torch.device(device).type == "cuda":
         return x.pin_memory().to(device, non_blocking=True)
     return x.to(device)
@@ -379,20 +371,18 @@ def to_device(x: torch.Tensor, device) -> torch.Tensor:
 
 @dataclass
 class Meta:
-    """Everything a forward pass needs to know about its rows, built once for it and shared by every layer
-    (where: Meta.build for a prefill step; speculative_round for the verify rows, which draft-extend reuses;
-    draft for each draft step). mode 'prefill': rows are chunks of prompts; 'decode': every row is a query of
-    its own (a decode row, a request's k+1 verify rows, a draft step), with its own position and so its own
-    causal length. (RoPE's cos and sin of the positions: once per pass too, by the model, rope_cos_sin.)"""
+    """What a forward pass knows of its rows, built once, shared by every layer: by Meta.build (a prefill
+    step); for Part 2's speculative decoding (the MTP layer drafts k tokens, one pass of k+1 rows checks them)
+    by speculative_round (verify rows; draft-extend reuses them) and draft (each draft step). mode 'prefill':
+    rows are prompt chunks; 'decode': each row a query (decode, verify or draft row) with its own position."""
 
     mode: str
     positions: torch.Tensor  # [T] absolute position of each row's token
     row_req: torch.Tensor  # [T] request (row of `table`) each row belongs to
-    table: torch.Tensor  # [B, W] table[b, p]: request b's position p's KV-pool slot (PagePool.table); its
-    # width W bounds every row's causal length: max_ctx
+    table: torch.Tensor  # [B, W] table[b, p]: request b's position p's KV-pool slot (PagePool.table)
     cu_seqlens: list  # [B + 1] host: row offsets of each request
     slots: torch.Tensor = None  # [T] slot each row's token is written to (default: its position's; draft-
-    # extend's rows past what a request emitted write slot 0)
+    # extend's rows past what a request emitted write the dummy slot 0: PagePool)
     ctx_lens: torch.Tensor = field(init=False)  # [T] each row's causal length: position + 1
 
     def __post_init__(self):
@@ -402,9 +392,8 @@ class Meta:
 
     @property
     def max_ctx(self):
-        """W, the table's width: the width the indexer scores. Meta.build cuts the table to the longest row's
-        causal length; a decode round's is the bound LLM.decode computes (which a CUDA graph rounds up to
-        its own width: CudaGraphs.width)."""
+        """W, the table's width: the indexer scores W positions, no row's causal length exceeds W. Meta.build:
+        the longest row's; a decode round: LLM.decode's bound (CudaGraphs.width rounds it up)."""
         return self.table.shape[1]
 
     @classmethod
@@ -422,14 +411,13 @@ class Meta:
 @dataclass
 class LayerCache:
     """One layer's KV pool, a row per slot. MLA caches, per token, one C-dim latent shared by every head (the
-    kv_norm of wkv_a's first C outputs) and one R-dim rope key (MLA below). Its row is DeepSeek's FP8 layout
-    (FlashMLA's, vLLM's `fp8_ds_mla`): the normalized latent as FP8 in 1x128 groups (the official cache rounds
-    it so), the groups' power-of-two fp32 scales, then the rotated rope key in bf16: 512 + 16 + 128 = 656
-    bytes at full size, against 1152 for the same values in bf16. The three parts are typed views of the row's
-    bytes."""
+    kv_norm of wkv_a's first C outputs) and one R-dim rope key. Its row is DeepSeek's FP8 layout (FlashMLA's,
+    vLLM's `fp8_ds_mla`): the normalized latent as FP8 in 1x128 groups (the official cache rounds it so), the
+    groups' power-of-two fp32 scales, then the rotated rope key in bf16: 512 + 16 + 128 = 656 bytes at full
+    size, against 1152 for the same values in bf16; typed views of the row's bytes."""
 
-    # bytes [0, C): kv, C fp8 | [C, C + C/32): kv_scale, C/128 fp32 of 4 bytes | [C * 33/32, end): pe, R bf16
-    latent: torch.Tensor  # [S, C + C/32 + 2R] uint8
+    # bytes [0, C): kv, C fp8 | [C, C * 33/32): kv_scale, C/128 fp32 | [C * 33/32, end): pe, R bf16
+    latent: torch.Tensor  # [S, C + C/32 + 2R] uint8 (C + C/32 = C * 33/32): the whole MLA row
     ik: torch.Tensor  # [S, J] fp8   indexer key
     iks: torch.Tensor  # [S]    fp32  indexer key scale
     C: int  # kv_lora_rank
@@ -452,9 +440,8 @@ class LayerCache:
 
 
 class KVCache:
-    """The KV pool of every layer (main layers, then MTP layers; mtp_layers False: an engine that does not
-    draft keeps none of theirs), addressed by slot: `latent` [L, S, row_bytes] uint8 holds MLA's whole row
-    (LayerCache views it), `ik` the FP8 indexer key and `iks` its fp32 scale."""
+    """Every layer's LayerCache tensors stacked [L, S, ...] (main layers, then MTP layers; mtp_layers False:
+    an engine that does not draft keeps none of theirs), addressed by slot."""
 
     def __init__(self, cfg: Config, num_slots: int, device="cpu", mtp_layers=True):
         L = cfg.n_layers + cfg.n_mtp_layers * mtp_layers
@@ -465,13 +452,13 @@ class KVCache:
 
     @staticmethod
     def row_bytes(cfg: Config):
-        """Bytes of MLA's cache row: C FP8 values (1 byte each), C/128 fp32 scales (4), R bf16 values (2)."""
+        """Bytes of MLA's cache row (LayerCache's byte map)."""
         return cfg.kv_lora_rank + cfg.kv_lora_rank // 32 + 2 * cfg.qk_rope_head_dim
 
     @staticmethod
     def bytes_per_token(cfg: Config, mtp_layers=True):
         layers = cfg.n_layers + cfg.n_mtp_layers * mtp_layers
-        return layers * (KVCache.row_bytes(cfg) + cfg.index_head_dim + 4)
+        return layers * (KVCache.row_bytes(cfg) + cfg.index_head_dim + 4)  # ik: J fp8, iks: 4 (fp32)
 
     def layer(self, i):
         return LayerCache(self.latent[i], self.ik[i], self.iks[i], self.C)
@@ -500,10 +487,9 @@ def store_index_key(k, norm_weight, norm_bias, eps, cos, sin, cache: LayerCache,
 
 def index_scores(q8, w, k8, ks):
     """score[t, n] = ks[n] * sum_h w[t, h] * relu(q8[t, h] . k8[n]), fp32 (the reference `fp8_index`). q8 [T,
-    I, J] fp8; w [T, I] fp32, the heads' weights (the q scales folded in: head_weights); k8 [T or 1, N, J]; ks
-    [T or 1, N]."""
+    I, J] fp8; w [T, I] fp32 (head_weights: the q scales folded in); k8 [T or 1, N, J]; ks [T or 1, N]."""
     acc = acc_dtype(q8)
-    logits = torch.matmul(q8.to(acc), k8.to(acc).transpose(-1, -2))  # [T, I, N]: exact sums in fp64
+    logits = torch.matmul(q8.to(acc), k8.to(acc).transpose(-1, -2))  # [T, I, N] (CPU: exact sums in fp64)
     return ((logits.relu() * w[..., None]).sum(1) * ks).float()  # [T, N] fp32
 
 
@@ -513,8 +499,7 @@ def topk_positions(scores, ctx_lens, topk):
     the tests compare the two index for index)."""
     n = torch.arange(scores.shape[-1], device=scores.device)
     scores = scores.masked_fill(n[None, :] >= ctx_lens[:, None], float("-inf"))  # causal mask before top-k
-    # Ties (exact zeros from the ReLU are common) go to the earliest position, whatever the batch shape: the
-    # reference's torch.topk breaks them in an implementation-defined order.
+    # Ties (exact zeros from the ReLU are common) go to the earliest position: top_indices
     idx = top_indices(scores, min(topk, scores.shape[-1]))
     idx = torch.where((ctx_lens <= topk)[:, None], n[: idx.shape[-1]], idx)  # (all of it, in order)
     return torch.where(idx < ctx_lens[:, None], idx, -1)
@@ -528,14 +513,13 @@ def head_weights(weights, scale, qs):
 
 def index_topk(q8, qs, weights, scale, cache: LayerCache, meta: Meta, topk):
     """Reference of the lightning-indexer kernel: score each row's causal context against the cached FP8 keys
-    (q8 [T, I, J] with its scales qs, the heads weighted by head_weights(weights, scale, qs)) and keep its
-    top-min(topk, W) positions [T, min(topk, W)] (-1 = none; every request is scored over W = meta.max_ctx
-    positions). The rows of one request (a prompt chunk, its k+1 verify rows) share its keys: gathered
-    once."""
+    (q8 [T, I, J] with its scales qs, the heads weighted by head_weights(weights, scale, qs)) and keep its top
+    positions [T, min(topk, W)] (-1 = none). The rows of one request (a prompt chunk, its k+1 verify rows)
+    share its keys: gathered once, W = meta.max_ctx wide."""
     w = head_weights(weights, scale, qs)
     out = []
     for b, rows in enumerate(meta.request_rows()):
-        ctx = meta.table[b]  # [W] slots: every request's scores are W wide
+        ctx = meta.table[b]  # [W] slots
         scores = index_scores(q8[rows], w[rows], cache.ik[ctx][None], cache.iks[ctx][None])
         out.append(topk_positions(scores, meta.ctx_lens[rows], topk))
     return torch.cat(out)
@@ -552,9 +536,8 @@ class Indexer(nn.Module):
 
     def forward(self, x, qr, k, cos, sin, meta: Meta, cache: LayerCache):
         """x [T, dim], qr [T, q_lora] (MLA's normed query latent), k = wk(x) [T, J] (MLA runs it with its own
-        products of x) -> [T, min(K, W)] selected context positions per row (-1 = none; a dense prompt chunk
-        selects all of its context, and MLA does not read it). Writes this pass's keys first, so every row can
-        select its own token."""
+        products of x) -> [T, min(K, W)] selected context positions per row (-1 = none; unread for a dense
+        prompt chunk: MLA.forward). Writes this pass's keys first, so every row can select its own token."""
         cfg = self.cfg
         norm = self.k_norm
         self.ops.store_index_key(k, norm.weight, norm.bias, norm.eps, cos, sin, cache, meta.slots)
@@ -567,23 +550,21 @@ class Indexer(nn.Module):
         return self.ops.index_topk(q8, qs, weights, scale, cache, meta, cfg.index_topk)
 
     def queries(self, qr, cos, sin):
-        """The indexer's query heads from MLA's normed query latent qr [T, q_lora] -> (q8 [T, I, J] fp8, their
-        scales [T, I, 1])."""
+        """The indexer's queries from MLA's normed query latent qr -> (q8 [T, I, J], scales [T, I, 1])."""
         q = self.wq_b(qr).view(qr.shape[0], self.cfg.index_n_heads, self.cfg.index_head_dim)
         return self.ops.index_quant(q, cos, sin)
 
 
 # ---- MLA: multi-head latent attention over the indexer's selection (spec 3.6, 3.8) -------------------------
-# The sparse MLA reference runs its rows in blocks whose gathered latents (rows x K x (C + R), fp64 on CPU)
-# take at most about this much, to stay in the CPU's cache. Each row is computed alone either way: same bits.
+# The sparse MLA reference runs its rows in blocks whose gathered latents (rows x K x (C + R), 8-byte fp64s on
+# the CPU) take at most about this much, to stay in cache; each row is computed alone: same bits either way.
 SPARSE_MLA_BLOCK_BYTES = 8 << 20
 
 
 def sparse_mla(q_abs, q_pe, cache: LayerCache, selected, meta: Meta, scale):
-    """Absorbed ("MQA") sparse attention, one query row per token: the reference of the sparse MLA decode
-    kernel. q_abs [T, H, C] (q_nope already multiplied into the latent space), q_pe [T, H, R]; selected [T,
-    K'] (K' = min(K, W)) each row's selected context positions (-1 = none; the valid ones first) -> o_lat [T,
-    H, C] in the accumulation dtype (fp32, the kernel's; fp64 on the CPU)."""
+    """Absorbed ("MQA") sparse attention, one query row per token (the sparse MLA decode kernel's reference):
+    q_abs [T, H, C] (q_nope in the latent space), q_pe [T, H, R]; selected [T, K'] (K' = min(K, W)), each
+    row's context positions (-1 = none; valid ones first) -> o_lat [T, H, C] in acc_dtype."""
     valid = selected >= 0  # [T, K]; the slots of the others are read (position 0's) and masked
     slots = meta.table[meta.row_req[:, None], selected.clamp(min=0)]  # [T, K] KV-pool slots
     acc = acc_dtype(q_abs)
@@ -595,14 +576,13 @@ def sparse_mla(q_abs, q_pe, cache: LayerCache, selected, meta: Meta, scale):
         kv, pe = kv.to(acc), pe.to(acc)
         scores = q_abs[rows].to(acc) @ kv.transpose(1, 2) + q_pe[rows].to(acc) @ pe.transpose(1, 2)
         scores = (scores * scale).masked_fill(~valid[rows, None, :], float("-inf"))  # [t, H, K]
-        out.append(scores.softmax(-1) @ kv)  # [t, H, C] (in acc dtype, not rounded: attend_dense's neither)
+        out.append(scores.softmax(-1) @ kv)  # [t, H, C] (in acc_dtype, not rounded: attend_dense's neither)
     return torch.cat(out)
 
 
 def dense_attention(q, k, v, scale):
-    """Causal per-head attention of a prompt chunk (the reference of the dense prefill kernel): q [L, H, D +
-    R] the last L of N positions, k [N, H, D + R], v [N, H, V] -> [L, H, V]; row i sees keys 0 .. N - L +
-    i."""
+    """Causal per-head attention of a prompt chunk (the dense prefill kernel's reference): q [L, H, D + R] the
+    last L of N positions, k [N, H, D + R], v [N, H, V] -> [L, H, V]; row i sees keys 0 .. N - L + i."""
     L, N = q.shape[0], k.shape[0]
     scores = torch.einsum("lhd,nhd->hln", q, k) * scale
     future = torch.arange(N, device=q.device) > torch.arange(L, device=q.device)[:, None] + (N - L)
@@ -626,10 +606,9 @@ def store_latent(kv, k_pe, norm_weight, eps, cos, sin, cache: LayerCache, slots)
 class MLA(nn.Module):
     # The absorbed form: per head, k_nope = W_UK c and v = W_UV c for a cached latent c, so q_nope . k_nope =
     # (W_UK^T q_nope) . c. The queries move into the C-dim latent space, attention runs over the latents
-    # themselves (every head reads the same C + R values a position: "MQA"), and W_UV maps the result back to
-    # values after (sparse_mla, then head_linear). The per-head form expands the latents instead
-    # (attend_dense).
-    # wkv_b dequantized once at bind (exact in bf16), split per head: fp32/fp64 (torch path), bf16 (kernels)
+    # themselves (every head reads the same C + R values a position: "MQA"), and W_UV maps the result to
+    # values (sparse_mla, then head_linear). The per-head form expands the latents instead (attend_dense).
+    # wkv_b dequantized at load (bind), split per head, in ops.attn_dtype (acc_dtype; kernels.py: bf16)
     w_uk = None  # [H, C, D] W_UK, transposed: q_nope -> latent space
     w_uv = None  # [H, V, C] W_UV: latent -> values
 
@@ -647,10 +626,9 @@ class MLA(nn.Module):
         self.indexer = Indexer(cfg)
 
     def forward(self, x, cos, sin, meta: Meta, cache: LayerCache):
-        """-> this rank's heads' part of the output projection [T, dim], unrounded (Block sums it over
-        ranks). Attention math runs in fp32 (fp64 on CPU, see acc_dtype) where the reference rounds
-        intermediates to bf16: fused kernels keep fp32 too, and the per-head and absorbed forms become the
-        same function."""
+        """-> this rank's heads' part of the output projection [T, dim], unrounded. Attention math runs in
+        acc_dtype where the reference rounds intermediates to bf16: fused kernels keep fp32 too, and the
+        per-head and absorbed forms become the same function."""
         cfg = self.cfg
         C, R = cfg.kv_lora_rank, cfg.qk_rope_head_dim
         # the three products of x: MLA's query and latent projections, the indexer's key (one GEMM on a GPU)
@@ -659,11 +637,12 @@ class MLA(nn.Module):
         kv, k_pe = kv_a.split([C, R], -1)  # [T, C], [T, R]
         norm = self.kv_norm  # this pass's latents go to the cache first: attention reads them from there
         self.ops.store_latent(kv, k_pe, norm.weight, norm.eps, cos, sin, cache, meta.slots)
-        # Prompt chunks whose whole context fits in top-k: DSA selects every position, so attention is plain
-        # causal attention (the per-head form). Every other row, prefill rows included, runs the sparse
-        # absorbed form.
+        # Prompt chunks whose whole context fits in top-k select every position: plain causal attention (the
+        # per-head form). Decode rows always take the sparse absorbed form (absorbing one query row costs less
+        # than expanding its context), prompt chunks with longer contexts too. A step never mixes the two
+        # kinds of chunk (Scheduler.prefill_chunks): a chunk's form never depends on its batchmates.
         sparse = meta.mode == "decode" or meta.max_ctx > cfg.index_topk
-        # the queries beside the indexer's selection [T, min(K, W)] (context positions, -1 = none)
+        # the queries (q: q_abs [T, H, C] if sparse, else q_nope [T, H, D]) beside the indexer's selection
         (q, q_pe), selected = self.ops.side_by_side(
             self.queries, (qr, cos, sin, sparse), self.indexer, (x, qr, k_index, cos, sin, meta, cache)
         )
@@ -703,8 +682,7 @@ class MLA(nn.Module):
 
 # ---- Feed-forward: SwiGLU MLP and the sigmoid-routed, group-limited MoE (spec 3.4, 3.9) --------------------
 class MLP(nn.Module):
-    """SwiGLU, w2(silu(x W1^T) * x W3^T) (mlp). A rank holds inter_dim / ranks of it: its output is an
-    unrounded part of the sum (Block adds them)."""
+    """SwiGLU (mlp). A rank holds inter_dim / tp_size() of it: its output is unrounded (Block)."""
 
     def __init__(self, dim, inter_dim):
         super().__init__()
@@ -717,10 +695,9 @@ class MLP(nn.Module):
 
 
 def route(logits, bias, groups, top_groups, top_experts, scale):
-    """The router's choice from its logits [T, E] (the reference of the router kernel): sigmoid scores; the
-    bias only steers selection: the top_groups groups with the largest sum of their top-2 biased scores, then
-    the top_experts experts inside them; weights are the unbiased scores, renormalized, times scale. ->
-    (routing weights [T, A] fp32, expert indices [T, A])."""
+    """The router's choice (its kernel's reference): logits [T, E] -> (weights [T, A] fp32, experts [T, A]).
+    Sigmoid scores; the bias only steers selection: the top_groups groups by their top-2 biased scores' sum,
+    then the top_experts experts in them; weights: the unbiased scores renormalized, times scale."""
     T = logits.shape[0]
     # [T, E] fp32: sigmoid(x) as the softmax of (x, 0), row by row (torch's CPU sigmoid computes the elements
     # its vector loop leaves over with other code, so a row's scores would depend on its place in the batch)
@@ -753,15 +730,15 @@ class Gate(nn.Module):
 
 
 def moe(x, weights, idx, experts):
-    """The routed experts of a MoE layer (the reference of the grouped MoE kernel): each a SwiGLU MLP over
-    the tokens that chose it, summed with their routing weights in fp32. x [T, dim] bf16; weights, idx [T,
-    A]; experts.w1, w3 [E, F, dim], w2 [E, dim, F] FP8 stacks -> [T, dim] fp32. Grouped as the kernel: the
-    (token, choice) pairs sorted by expert, one GEMM per expert over its rows (x is quantized once, before the
-    gather: act_quant works per row, so this equals quantizing each expert's rows)."""
+    """The routed experts (the reference of the grouped MoE kernel): each a SwiGLU MLP over the tokens that
+    chose it, summed with their routing weights in fp32. x [T, dim] bf16; weights, idx [T, A] (idx E: another
+    rank's expert: MoE.routed); experts.w1, w3 [E, F, dim], w2 [E, dim, F] FP8 stacks -> [T, dim] fp32.
+    Grouped as the kernel: (token, choice) pairs sorted by expert, one GEMM per expert over its rows (x
+    quantized once, before the gather: per row, act_quant equals quantizing each expert's rows)."""
     T, A = idx.shape
     idx, order = idx.sort(-1)  # each token's experts ascending: summed in that order
     pair = idx.flatten().argsort(stable=True)  # [P] pairs t * A + a by expert, tokens ascending in each
-    pair = pair[idx.flatten()[pair] < experts.w1.weight.shape[0]]  # idx E: another rank's (MoE.routed)
+    pair = pair[idx.flatten()[pair] < experts.w1.weight.shape[0]]  # (drop idx E: another rank's)
     y = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
     if len(pair) == 0:
         return y
@@ -778,9 +755,8 @@ def moe(x, weights, idx, experts):
 
 
 def grouped_linear(rows, linear, experts, counts):
-    """rows [P, in] (already quantized, acc dtype) sorted by expert, counts[i] of them for experts[i], each
-    times its expert's weight of the stack `linear` -> [P, out] bf16: fp8_linear's math, one GEMM per
-    group."""
+    """rows [P, in] (quantized, acc_dtype) sorted by expert, counts[i] of them for experts[i], each times its
+    expert's weight of the stack `linear` -> [P, out] bf16: fp8_linear's math, one GEMM per group."""
     w, scales = linear.operands()
     out = []
     for e, part in zip(experts, rows.split(counts), strict=True):
@@ -802,8 +778,7 @@ class MoE(nn.Module):
 
     def forward(self, x):
         """-> this rank's part [T, dim], unrounded: its routed experts' weighted sum plus its slice of the
-        shared expert (Block adds the parts, then rounds once; the reference rounds the shared expert's
-        output to bf16 first)."""
+        shared expert (the reference rounds the shared expert's output to bf16 first)."""
         shared, routed = self.ops.side_by_side(self.shared_experts, (x,), self.routed, (x,))
         return routed + shared
 
@@ -829,18 +804,17 @@ class Block(nn.Module):
 
     def forward(self, x, residual, cos, sin, meta, cache):
         x, residual = self.attn_norm(x, residual)  # x: the last block's FFN half (the first: the embedding)
-        # Each half's output is a sum of every rank's part, in fp32 (CPU: fp64), rounded to bf16 once, by the
-        # norm that takes it: as at one rank (the reference all-reduces bf16 parts, which makes the tokens
-        # depend on the number of ranks)
+        # Each half's output is the sum of every rank's unrounded part ('row' Linears, routed experts) in
+        # acc_dtype, rounded to bf16 once, by the norm that takes it (rms_norm): as at one rank (the reference
+        # all-reduces bf16 parts, which makes the tokens depend on the number of ranks)
         x = all_reduce(self.attn(x, cos, sin, meta, cache))
         x, residual = self.ffn_norm(x, residual)
         return all_reduce(self.ffn(x)), residual  # (the FFN half's fp32 sum, the bf16 residual stream)
 
 
 class MTP(nn.Module):
-    """Multi-token prediction layer: from the main model's final-normed hidden state at position i and the
-    token at i+1, predict the token at i+2: block(eh_proj([enorm(emb(t_{i+1})); hnorm(h_i)])) -> norm ->
-    head."""
+    """Multi-token prediction layer: from the main model's final-normed hidden state h_i and the token
+    t_{i+1}, predict t_{i+2}: block(eh_proj([enorm(emb(t_{i+1})); hnorm(h_i)])) -> norm -> head."""
 
     def __init__(self, cfg: Config):
         super().__init__()
@@ -894,8 +868,7 @@ class Transformer(nn.Module):
 
     @torch.inference_mode()
     def forward(self, tokens, meta: Meta, cache: KVCache):
-        """tokens [T] -> hidden [T, dim] bf16 after the final norm (the lm_head input, also what MTP
-        consumes)."""
+        """tokens [T] -> hidden [T, dim] bf16 after the final norm (the lm_head's input, and MTP's)."""
         cos, sin = rope_cos_sin(self.cfg, meta.positions)
         h = self.embed(tokens)
         residual = torch.full_like(h, -0.0)  # the residual stream: x + (-0.0) is x bit for bit, -0.0 too
@@ -914,19 +887,18 @@ class Transformer(nn.Module):
 
 
 # ---- The kernel boundary: the few names through which the GPU path plugs in --------------------------------
-# Layers call these through `self.ops`. Transformer.bind points every layer at one set, once, at load:
-# TORCH_OPS (the readable references above, on any device) or kernels.GPU_OPS (the same names and signatures,
-# and `capture`, GPU only: CUDA graphs run with the kernels alone).
+# Layers call these through `self.ops`. Transformer.bind points every layer at one set, once, at load
+# (load_model calls it): TORCH_OPS (the readable references above, on any device) or kernels.GPU_OPS (the same
+# names and signatures, and `capture`, GPU only: CUDA graphs run with the kernels alone).
 # The references dequantize a model's FP8 weights once, at load, when the copies (8 bytes a weight on the CPU)
-# take at most this much, and widen its plain ones too; a bigger model dequantizes each weight at each call
-# (same values: FP8 times a power of two is exact in fp32 and fp64).
+# take at most this much, and widen its plain ones too (Linear.dequantized; Linear.operands hands it to the
+# ops); a bigger model dequantizes each weight at each call (the same, exact values).
 DEQUANTIZE_AT_LOAD_BYTES = 2 << 30
 
 
 def dequantize_weights(model):
-    """The references' preparation of a bound model's weights (TORCH_OPS.prepare): every Linear gets the
-    dequantized (FP8) or widened (plain) copy it computes with, a weight shared by two Linears one copy; not
-    wkv_b, which only bind's halves W_UK and W_UV are read of."""
+    """TORCH_OPS.prepare: every Linear gets the copy it computes with, one for a weight two Linears share; not
+    wkv_b, read only through bind's W_UK and W_UV."""
     linears = [m for name, m in model.named_modules() if isinstance(m, Linear) and not name.endswith("wkv_b")]
     weights = {mod.weight for mod in linears}  # (a shared one once)
     if sum(w.numel() for w in weights) * 8 > DEQUANTIZE_AT_LOAD_BYTES:
@@ -958,7 +930,7 @@ TORCH_OPS = SimpleNamespace(
     moe=moe,  # routed experts, grouped, weighted sum                (MoE)
     side_by_side=side_by_side,  # independent parts of a layer: GPU, streams (MLA, Indexer, MoE)
     prepare=dequantize_weights,  # the weights as the ops read them, once at load (Transformer.bind)
-    attn_dtype=acc_dtype,  # dtype of wkv_b's absorbed halves (kernels.py: bf16, exact for pow2-scaled FP8)
+    attn_dtype=acc_dtype,  # storage dtype of W_UK, W_UV, not attention's (kernels.py: bf16, exact)
 )  # (Part 2 adds the engine's ops, uniform, sample, probs_from_logits and read_back, where it explains them)
 
 
@@ -991,7 +963,7 @@ def load_model(path, device="cpu", kernels="auto", cfg=None) -> Transformer:
     with torch.device(device):  # parameters made empty (torch.empty), where they will live
         model = Transformer(cfg).eval()
     params = dict(model.named_parameters())
-    files = hf_checkpoint.shard_files(path)[0]
+    files = hf_checkpoint.shard_files(path)[0]  # the shard files ([1]: the weight map)
     total = sum(os.path.getsize(f) for f in files) // tp_size()  # about what each rank reads
     quiet = total < (256 << 20) or tp_rank() > 0
     with tqdm(total=total, unit="B", unit_scale=True, desc="loading", leave=False, disable=quiet) as bar:
