@@ -374,7 +374,8 @@ class Meta:
     """What a forward pass knows of its rows, built once, shared by every layer: by Meta.build (a prefill
     step); for Part 2's speculative decoding (the MTP layer drafts k tokens, one pass of k+1 rows checks them)
     by speculative_round (verify rows; draft-extend reuses them) and draft (each draft step). mode 'prefill':
-    rows are prompt chunks; 'decode': each row a query (decode, verify or draft row) with its own position."""
+    rows are prompt chunks; 'decode': each row is a query of its own (a decode, verify or draft row) with its
+    own position, and so its own causal length."""
 
     mode: str
     positions: torch.Tensor  # [T] absolute position of each row's token
