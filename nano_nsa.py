@@ -1436,8 +1436,9 @@ TORCH_OPS.read_back = read_back  # (the kernel boundary's last engine op)
 # ---- CUDA graphs: the speculative round captured per batch-size bucket -------------------------------------
 def graph_buckets(max_bs, rows_per_req, tp=1):
     """Batch sizes captured for rows_per_req rows per request: 1, 2, 4, 8, then every 16 below max_bs, and
-    max_bs itself, those whose rows split evenly over tp ranks (max_bs rounded up to such a size; SGLang's
-    rule: at TP 8, bs=1 with 4 rows pads to bs=2, not 8)."""
+    max_bs itself, those whose rows split evenly over tp ranks (max_bs rounded up to such a size). SGLang's
+    rule, for a step whose rows are split over the ranks; here every rank runs all of them, so it only shapes
+    the buckets: at TP 8, bs=1 with 4 rows pads to bs=2, not 8."""
     step = tp // math.gcd(tp, rows_per_req)  # bs must be a multiple of this
     top = -(-max_bs // step) * step
     return [b for b in sorted({1, 2, 4, 8, *range(16, top, 16), top}) if b <= top and b % step == 0]
@@ -1545,7 +1546,8 @@ class LLM:
         self.cache = KVCache(self.cfg, num_pages * page_size, self.device, mtp > 0)
         self.pool = PagePool(self.cache, page_size)
         self.scheduler = Scheduler(self.pool, max_batch, max_prefill_tokens, mtp, self.cfg.index_topk)
-        self.state = Batch.empty(max_batch + 1, mtp, self.cfg.vocab_size, self.device)  # every request's row
+        # a row per running or preempted request (at most max_batch: admit stops at a preempted one), row 0
+        self.state = Batch.empty(max_batch + 1, mtp, self.cfg.vocab_size, self.device)
         self.graphs = None  # the torch references sync the host: no graphs for them
         if cuda_graphs and self.device.type == "cuda" and self.model.ops is not TORCH_OPS:
             args = (self.model, self.cache, self.state, mtp, max_batch, self.max_context, page_size)
