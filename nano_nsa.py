@@ -394,7 +394,8 @@ class Meta:
     @property
     def max_ctx(self):
         """W, the table's width: the indexer scores W positions, no row's causal length exceeds W. Meta.build:
-        the longest row's; a decode round: LLM.decode's bound (CudaGraphs.width rounds it up)."""
+        the longest row's; a decode round: LLM.decode's bound (CudaGraphs.width rounds it up). W <= K also
+        decides that the indexer selects everything unscored and that a prompt chunk attends densely (MLA)."""
         return self.table.shape[1]
 
     @classmethod
@@ -417,7 +418,8 @@ class LayerCache:
     groups' power-of-two fp32 scales, then the rotated rope key in bf16: 512 + 16 + 128 = 656 bytes at full
     size, against 1152 for the same values in bf16; typed views of the row's bytes."""
 
-    # bytes [0, C): kv, C fp8 | [C, C * 33/32): kv_scale, C/128 fp32 | [C * 33/32, end): pe, R bf16
+    # bytes [0, C): kv, C fp8 | [C, C * 33/32): kv_scale, C/128 fp32 | [C * 33/32, end): pe, R bf16 (full
+    # size: [0, 512) | [512, 528) | [528, 656))
     latent: torch.Tensor  # [S, C + C/32 + 2R] uint8 (C + C/32 = C * 33/32): the whole MLA row
     ik: torch.Tensor  # [S, J] fp8   indexer key
     iks: torch.Tensor  # [S]    fp32  indexer key scale
@@ -737,18 +739,20 @@ def moe(x, weights, idx, experts):
     Grouped as the kernel: (token, choice) pairs sorted by expert, one GEMM per expert over its rows (x
     quantized once, before the gather: per row, act_quant equals quantizing each expert's rows)."""
     T, A = idx.shape
-    idx, order = idx.sort(-1)  # each token's experts ascending: summed in that order
+    # [T, A] each token's experts ascending (summed in that order); order: where each was in idx
+    idx, order = idx.sort(-1)
     pair = idx.flatten().argsort(stable=True)  # [P] pairs t * A + a by expert, tokens ascending in each
     pair = pair[idx.flatten()[pair] < experts.w1.weight.shape[0]]  # (drop idx E: another rank's)
     y = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
     if len(pair) == 0:
         return y
-    ids, counts = idx.flatten()[pair].unique_consecutive(return_counts=True)
+    ids, counts = idx.flatten()[pair].unique_consecutive(return_counts=True)  # experts with pairs, how many
     groups = (ids.tolist(), counts.tolist())
-    rows = act_dequant(*act_quant(x)).to(acc_dtype(x))[pair // A]  # [P, dim]
+    rows = act_dequant(*act_quant(x)).to(acc_dtype(x))[pair // A]  # [P, dim]: pair t * A + a reads token t
     h = swiglu(grouped_linear(rows, experts.w1, *groups), grouped_linear(rows, experts.w3, *groups))
     out = grouped_linear(act_dequant(*act_quant(h)).to(acc_dtype(h)), experts.w2, *groups)  # [P, dim] bf16
     each = torch.zeros(T * A, x.shape[1], dtype=torch.float32, device=x.device)  # [T * A, dim]
+    # row t * A + a: that pair's output times its routing weight (the weights reordered as idx was)
     each[pair] = out.float() * weights.gather(1, order).flatten()[pair, None]
     for a in range(A):
         y += each.view(T, A, -1)[:, a]
@@ -779,7 +783,7 @@ class MoE(nn.Module):
 
     def forward(self, x):
         """-> this rank's part [T, dim], unrounded: its routed experts' weighted sum plus its slice of the
-        shared expert (the reference rounds the shared expert's output to bf16 first)."""
+        shared expert (the reference rounds the shared expert's output to bf16 first: Block says why not)."""
         shared, routed = self.ops.side_by_side(self.shared_experts, (x,), self.routed, (x,))
         return routed + shared
 
@@ -1053,7 +1057,7 @@ def uniform(seeds, positions, stream, n):
 def exponential(u):
     """E = -log(1 - u) ~ Exp(1) for u uniform, computed as log1p is (Goldberg's form): exact where u is small,
     where the race decides the unlikely tokens (-log u, whose u near 1 is only as fine as 2^-24, floored E at
-    3e-8). u = 1 (fp32's rounding of 2^-25 of them) counts as 1 - 2^-25: E = 17.3, not inf, which would leave
+    6e-8). u = 1 (fp32's rounding of 2^-25 of them) counts as 1 - 2^-25: E = 17.3, not inf, which would leave
     p / E = 0 and let a token of probability 0 win where this one alone has p > 0."""
     w = (1 - u).clamp(min=2**-25)
     return torch.where(w == 1, u, -torch.log(w) * u / (1 - w))
@@ -1375,7 +1379,13 @@ def speculative_round(model, cache, state: Batch, ids, sampling, table):
     2. accept: the drafts the main model agrees with, then one token of its own (accept);
     3. draft-extend: the MTP layer over the same rows, pairs (h_p, x_{p+1}) with the emitted tokens as the
        x's; rows past what a request emitted write the dummy slot 0, so shapes do not depend on acceptance;
-    4. draft: k new drafts from the last emitted row (draft)."""
+    4. draft: k new drafts from the last emitted row (draft).
+    For example, k = 3, L = 10, two drafts accepted:
+      verify   rows at positions 10..13 (tokens x_10, d_1, d_2, d_3); row p's logits decide the token at p + 1
+      accept   emitted d_1, d_2, t (t: the main model's token for position 13): counts 3
+      extend   MTP rows 10, 11, 12 pair h_p with x_{p+1} = d_1, d_2, t; row 13 writes the dummy slot 0
+      draft    L' = 13: the MTP row at 12 drafts d'_1 (position 14), steps at 13 and 14 draft d'_2, d'_3
+      next     the round's tokens t, d'_1, d'_2, d'_3 at positions 13..16"""
     batch = state.take(ids, sampling)
     B, n = batch.tokens.shape
     dev = batch.tokens.device
@@ -1619,8 +1629,8 @@ class LLM:
         the prompt's next token x_{p+1}. A prompt's last token x_{P-1} is not prefilled: it is x_L of the
         request's first decode round, so every token a request emits is drawn by a round. That round's k
         drafts all repeat the MTP layer's guess of x_P from the last prefilled row, an argmax, so drawn from a
-        one-hot q (acceptance stays exact when sampling). Only d_1 is a real guess (chaining would need MTP
-        decode steps here); verify tests the copies at no extra cost, their rows being there anyway."""
+        one-hot q (exact acceptance when sampling). Only d_1 is a real guess (chaining would need MTP decode
+        steps here): d_2..d_k are placeholders, mostly rejected, free as their verify rows run anyway."""
         reqs, starts, lens = zip(*chunks, strict=True)
         meta = Meta.build("prefill", starts, lens, self.pool.table(reqs))
         pairs = [r.tokens[p : p + 2] for r, s, n in chunks for p in range(s, s + n)]  # (x_p, x_{p+1})
