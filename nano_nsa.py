@@ -1510,13 +1510,14 @@ class CudaGraphs:
 # ---- LLM: the engine, tying the parts together -------------------------------------------------------------
 class LLM:
     """DeepSeek-V3.2 engine: generate() admits requests, then runs steps (schedule, prefill or decode round,
-    retire) until every request is done. A decode round is speculative_round over every running request
-    (from a CUDA graph where the engine has them), read back once. A round starts from the inputs the round
-    before left on the device (each request's row of `state`), so the host keeps one round in flight: it
-    launches round n+1 before it reads round n back, and applies round n (LLM.apply) while the GPU runs round
-    n+1, whether the batch changed or not (near the end: LLM.decode). A request that finishes in round n still
-    runs in round n+1, writing only into its own pages and row: the GPU runs in launch order, so whoever gets
-    them next writes after that round."""
+    retire) until every request is done. A decode round is speculative_round over every running request (from
+    a CUDA graph where the engine has them), read back once, and starts from the inputs the round before left
+    on the device (each request's row of `state`): so the host keeps one round in flight, whether the batch
+    changed or not. A decode step with round n in flight: schedule reserves pages for round n+1 (num_cached is
+    still from before round n: round_lookahead); decode launches round n+1, then reads round n back and
+    applies it while the GPU runs n+1 (LLM.apply; near the end round n first: LLM.decode); retire frees the
+    pages and row of a request round n finished. Round n+1 still runs for it, writing only into those, and the
+    GPU runs in launch order, so their next owner writes after it."""
 
     def __init__(
         self,
