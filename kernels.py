@@ -49,7 +49,7 @@ from fp8_gemm import (  # noqa: F401  (re-exported: kernels.act_quant, kernels.g
     stream_depth,
     swiglu_linear,
 )
-from sampling_kernels import probs_from_logits, sample, uniform
+from sampling_kernels import probs_from_logits, rejection_sample, sample
 
 
 def unsupported(device: torch.device):
@@ -885,9 +885,9 @@ GPU_OPS = SimpleNamespace(
     route=route,
     moe=moe,
     side_by_side=side_by_side,
-    uniform=uniform,
     sample=sample,
     probs_from_logits=probs_from_logits,
+    rejection_sample=rejection_sample,
     read_back=read_back,
     capture=capture,
     attn_dtype=bf16_dtype,

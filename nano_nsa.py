@@ -936,7 +936,7 @@ TORCH_OPS = SimpleNamespace(
     side_by_side=side_by_side,  # independent parts of a layer: GPU, streams (MLA, Indexer, MoE)
     prepare=dequantize_weights,  # the weights as the ops read them, once at load (Transformer.bind)
     attn_dtype=acc_dtype,  # storage dtype of W_UK, W_UV, not attention's (kernels.py: bf16, exact)
-)  # (Part 2 adds the engine's ops, uniform, sample, probs_from_logits and read_back, where it explains them)
+)  # (Part 2 adds the engine's ops: sample, probs_from_logits, rejection_sample, read_back)
 
 
 def select_ops(kernels, device):
@@ -1086,10 +1086,6 @@ def probs_from_logits(logits, temperature, top_p):
     return torch.where(greedy, onehot, p)
 
 
-# the kernel boundary's engine ops (sampling_kernels.py on a GPU: a launch or a few; the references ~20)
-TORCH_OPS.uniform, TORCH_OPS.sample, TORCH_OPS.probs_from_logits = uniform, sample, probs_from_logits
-
-
 @dataclass
 class Batch:
     """Decode rounds' inputs, on the device, one row per request: its tokens and position, its drafts'
@@ -1128,31 +1124,44 @@ def residual_probs(p, q):
     return torch.where(r.amax(-1, keepdim=True) > 0, r, p)
 
 
+def rejection_sample(p, q, drafts, seeds, start):
+    """Speculative sampling's acceptance (accept's sampling half): p [B, k+1, V] the main model's
+    distributions at positions L..L+k (L = start [B]), q [B, k, V] the drafts' (None where k = 0), drafts [B,
+    k] -> (emitted [B, k+1], counts [B]). Keeps d_j with probability min(1, p(d_j) / q(d_j)), then draws from
+    residual_probs (from p after k acceptances): the output follows p exactly. (A greedy row has a one-hot p:
+    p(d_j) > 0 accepts exactly the drafts equal to its argmax, whatever its q, which greedy rounds leave
+    stale.)"""
+    B, n, _ = p.shape
+    zero = torch.zeros_like(p[:, :1])
+    # [B, k+1, V]: the drafts' distributions, then after k acceptances p itself
+    q = zero if q is None else torch.cat([q, zero], 1)
+    positions = start[:, None] + 1 + torch.arange(n, device=start.device)  # of the token each row decides
+    px, qx = (d[:, :-1].gather(-1, drafts[..., None])[..., 0] for d in (p, q))  # [B, k]
+    u = uniform(seeds[:, None], positions[:, :-1], ACCEPT, 1)[..., 0]
+    a = ((u * qx <= px) & (px > 0)).long().cumprod(1).sum(1)  # [B] accepted drafts
+    rows = torch.arange(B, device=start.device)
+    last = sample(residual_probs(p[rows, a], q[rows, a]), seeds, positions[rows, a], TARGET)
+    emitted = torch.cat([drafts, last[:, None]], 1).scatter(1, a[:, None], last[:, None])
+    return emitted, a + 1
+
+
+# the kernel boundary's engine ops (sampling_kernels.py on a GPU: a launch or two each; the references ~20-30)
+TORCH_OPS.sample, TORCH_OPS.probs_from_logits = sample, probs_from_logits
+TORCH_OPS.rejection_sample = rejection_sample
+
+
 def accept(ops, batch: Batch, logits):
     """Speculative acceptance of every request at once, on the device: batch.tokens [B, k+1] x_L, d_1..d_k at
     positions L..L+k (L = batch.start), batch.q [B, k, V] the drafts' distributions; logits [B, k+1, V] the
     main model's at those rows -> (emitted [B, k+1]: the accepted drafts, then one token of the main model;
-    counts [B]: how many). Greedy keeps the longest prefix of drafts equal to the argmax, then the argmax.
-    Sampling keeps d_j with probability min(1, p(d_j) / q(d_j)), then draws from residual_probs (from p after
-    k acceptances): the output follows p exactly. (A greedy row of a sampling batch has a one-hot p: p(d_j) >
-    0 accepts exactly the drafts equal to its argmax, whatever its q, which greedy rounds leave stale.)"""
-    B, n, _ = logits.shape
-    drafts, start = batch.tokens[:, 1:], batch.start
+    counts [B]: how many). Greedy keeps the longest prefix of drafts equal to the argmax, then the argmax;
+    sampling runs rejection_sample on the rows' distributions."""
+    drafts = batch.tokens[:, 1:]
     if not batch.sampling:
         target = logits.argmax(-1)  # [B, k+1]: the accepted drafts equal it
         return target, (drafts == target[:, :-1]).cumprod(1).sum(1) + 1
     p = ops.probs_from_logits(logits, batch.temperature[:, None], batch.top_p[:, None])  # [B, k+1, V]
-    zero = torch.zeros_like(p[:, :1])
-    # [B, k+1, V]: the drafts' distributions, then after k acceptances p itself
-    q = zero if batch.q is None else torch.cat([batch.q, zero], 1)
-    positions = start[:, None] + 1 + torch.arange(n, device=start.device)  # of the token each row decides
-    px, qx = (d[:, :-1].gather(-1, drafts[..., None])[..., 0] for d in (p, q))  # [B, k]
-    u = ops.uniform(batch.seeds[:, None], positions[:, :-1], ACCEPT, 1)[..., 0]
-    a = ((u * qx <= px) & (px > 0)).long().cumprod(1).sum(1)  # [B] accepted drafts
-    rows = torch.arange(B, device=start.device)
-    last = ops.sample(residual_probs(p[rows, a], q[rows, a]), batch.seeds, positions[rows, a], TARGET)
-    emitted = torch.cat([drafts, last[:, None]], 1).scatter(1, a[:, None], last[:, None])
-    return emitted, a + 1
+    return ops.rejection_sample(p, batch.q, drafts, batch.seeds, batch.start)
 
 
 # ---- Requests and results ----------------------------------------------------------------------------------

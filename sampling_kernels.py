@@ -1,9 +1,11 @@
 """The engine's sampling kernels (nano_nsa's "Sampling and speculative acceptance"): the counter-based uniform
-numbers, the exponential race that draws a token (sample), and the softmax cut to the top-p nucleus
-(probs_from_logits). Each public function's torch reference is the function of the same name in nano_nsa.py;
-kernels.py re-exports them. Over a full vocabulary a row is split over programs (split_rows): one program a
-row of 129,280 tokens left the GPU idle (0.73 ms a probs_from_logits row on an H200, 74 us split). A short row
-(the demo's 2048 tokens) is held in one program's registers instead (_probs_row_kernel).
+numbers, the exponential race that draws a token (sample), the softmax cut to the top-p nucleus
+(probs_from_logits), and speculative sampling's acceptance (rejection_sample). Each public function's torch
+reference is the function of the same name in nano_nsa.py; kernels.py re-exports the engine's three (uniform
+is the tests' window on the numbers the others hash in registers). Over a full vocabulary a row is split over
+programs (split_rows): one program a row of 129,280 tokens left the GPU idle (0.73 ms a probs_from_logits row
+on an H200, 74 us split). A short row (the demo's 2048 tokens) is held in one program's registers instead
+(_probs_row_kernel).
 """
 
 import torch
@@ -21,11 +23,16 @@ def _mix32(x):
 
 
 @triton.jit
-def _row_key(seed_ptr, pos_ptr, r, stream):
-    """Row r's key: nano_nsa.uniform's hash of its seed, its position and the stream."""
-    seed = tl.load(seed_ptr + r)
-    key = _mix32(_mix32(_mix32(seed & 0xFFFFFFFF) ^ (seed >> 32)) ^ tl.load(pos_ptr + r))
+def _key(seed, pos, stream):
+    """nano_nsa.uniform's key: the hash of a seed, a position and the stream."""
+    key = _mix32(_mix32(_mix32(seed & 0xFFFFFFFF) ^ (seed >> 32)) ^ pos)
     return _mix32(key ^ stream)
+
+
+@triton.jit
+def _row_key(seed_ptr, pos_ptr, r, stream):
+    """Row r's key, from its seed and its position."""
+    return _key(tl.load(seed_ptr + r), tl.load(pos_ptr + r), stream)
 
 
 @triton.jit
@@ -84,9 +91,10 @@ PROBS_FIELDS = tl.constexpr(6 + 18 * PASSES.value)
 
 
 def split_rows(kernel, x, fields, phases, *args):
-    """kernel(x, *args, workspace, V, FIRST, LAST, CHUNK, SP) over x's rows x their chunks, for phases 0 ..
+    """kernel(x, *args, workspace, V, FIRST, LAST, CHUNK, SP) over x's rows (its first axis; V its last) x
+    their chunks, for phases 0 ..
     phases - 1 (a launch runs FIRST .. LAST), with a workspace of `fields` floats a row and chunk."""
-    rows, V = x.shape
+    rows, V = len(x), x.shape[-1]
     S = 1 if V <= 4 * ROW_CHUNK else triton.cdiv(V, ROW_CHUNK)
     chunk = triton.next_power_of_2(V) if S == 1 else ROW_CHUNK
     ws = torch.empty(rows, fields, S, dtype=torch.float32, device=x.device)
@@ -108,6 +116,13 @@ def _row_argmax(ws, SP: tl.constexpr):
     best = tl.load(ws + s, mask=s < S, other=-float("inf"))
     winner = tl.min(tl.where(best == tl.max(best, 0), s, SP), 0)  # the first chunk holding the max
     return tl.load(ws + S + winner).to(tl.int32)
+
+
+@triton.jit
+def _race(race, offset, best, first):
+    """The race's max and its first index so far, after a block of it whose first column is offset."""
+    first = tl.where(tl.max(race, 0) > best, offset + tl.argmax(race, 0), first)
+    return tl.maximum(best, tl.max(race, 0)), first
 
 
 @triton.jit
@@ -136,8 +151,7 @@ def _sample_kernel(
                 cols = c * CHUNK + i + tl.arange(0, 1024)
                 p = tl.load(p_ptr + r.to(tl.int64) * V + cols, mask=cols < V, other=-1.0)
                 race = tl.where(cols < V, p / _exponential(_uniform_block(key, cols)), -1.0)
-                first = tl.where(tl.max(race, 0) > best, c * CHUNK + i + tl.argmax(race, 0), first)
-                best = tl.maximum(best, tl.max(race, 0))
+                best, first = _race(race, c * CHUNK + i, best, first)
             tl.store(ws + c, best)
             tl.store(ws + tl.num_programs(1) + c, first.to(tl.float32))
         elif c == 0:
@@ -155,6 +169,95 @@ def sample(probs, seeds, positions, stream):
     if len(p):
         split_rows(_sample_kernel, p, 2, 2, seeds, positions, out, stream)
     return out.view(shape)
+
+
+@triton.jit
+def _kept(p_ptr, q_ptr, d_ptr, seed, start, r, V, K: tl.constexpr):
+    """How many of request r's k drafts d_ptr[0..k-1] are kept: d_j is if u q(d_j) <= p(d_j) and p(d_j) > 0
+    (u its ACCEPT number, stream 3) and d_1..d_{j-1} were (a == j)."""
+    a = tl.zeros([], tl.int32)
+    for j in tl.static_range(K):
+        d = tl.load(d_ptr + j)
+        px = tl.load(p_ptr + (r * (K + 1) + j).to(tl.int64) * V + d)
+        qx = tl.load(q_ptr + (r * K + j).to(tl.int64) * V + d)
+        u = _uniform_block(_key(seed, start + 1 + j, 3), tl.zeros([], tl.int64))
+        a += ((u * qx <= px) & (px > 0) & (a == j)).to(tl.int32)
+    return a
+
+
+@triton.jit
+def _rejection_kernel(
+    p_ptr,
+    q_ptr,
+    d_ptr,
+    d_stride,
+    seed_ptr,
+    start_ptr,
+    out_ptr,
+    K: tl.constexpr,
+    ws_ptr,
+    V,
+    FIRST: tl.constexpr,
+    LAST: tl.constexpr,
+    CHUNK: tl.constexpr,
+    SP: tl.constexpr,
+):
+    """nano_nsa.rejection_sample for request r. Every program first finds a, the drafts kept (_kept: scalar
+    loads). Phase 0, per chunk: the race over the residual max(p_a - q_a, 0) and
+    the race over p_a (E as _sample_kernel makes them; each race's max and first index: workspace fields 0-1
+    and 2-3) and the residual's max (4). Phase 1, chunk 0: the draw (the residual's race, or p's where the
+    residual is 0) and the row's k+1 tokens and count."""
+    r, c, S = tl.program_id(0), tl.program_id(1), tl.num_programs(1)
+    ws = ws_ptr + r.to(tl.int64) * 5 * S
+    seed, start = tl.load(seed_ptr + r), tl.load(start_ptr + r)
+    a = _kept(p_ptr, q_ptr, d_ptr + r * d_stride, seed, start, r, V, K)
+    for phase in tl.static_range(FIRST, LAST + 1):
+        if phase == 0:
+            key = _key(seed, start + 1 + a, 1)  # (stream 1: TARGET)
+            p_row = p_ptr + (r * (K + 1) + a).to(tl.int64) * V
+            q_row = q_ptr + (r * K + a).to(tl.int64) * V
+            best_r, first_r = tl.zeros([], tl.float32) - 1.0, tl.zeros([], tl.int32)
+            best_p, first_p = tl.zeros([], tl.float32) - 1.0, tl.zeros([], tl.int32)
+            top = tl.zeros([], tl.float32)
+            for i in range(0, CHUNK, 1024):
+                cols = c * CHUNK + i + tl.arange(0, 1024)
+                inside = cols < V
+                p = tl.load(p_row + cols, mask=inside, other=0.0)
+                q = tl.load(q_row + cols, mask=inside & (a < K), other=0.0)  # (after k kept: q = 0)
+                res = tl.maximum(p - q, 0.0)
+                e = _exponential(_uniform_block(key, cols))
+                best_r, first_r = _race(tl.where(inside, res / e, -1.0), c * CHUNK + i, best_r, first_r)
+                best_p, first_p = _race(tl.where(inside, p / e, -1.0), c * CHUNK + i, best_p, first_p)
+                top = tl.maximum(top, tl.max(res, 0))
+            tl.store(ws + c, best_r)
+            tl.store(ws + S + c, first_r.to(tl.float32))
+            tl.store(ws + 2 * S + c, best_p)
+            tl.store(ws + 3 * S + c, first_p.to(tl.float32))
+            tl.store(ws + 4 * S + c, top)
+        elif c == 0:
+            s = tl.arange(0, SP)
+            residual = tl.max(tl.load(ws + 4 * S + s, mask=s < S, other=0.0), 0) > 0
+            last = tl.where(residual, _row_argmax(ws, SP), _row_argmax(ws + 2 * S, SP)).to(tl.int64)
+            out = out_ptr + r.to(tl.int64) * (K + 2)
+            for j in tl.static_range(K):  # the drafts, the draw at a
+                tl.store(out + j, tl.where(j == a, last, tl.load(d_ptr + r * d_stride + j)))
+            tl.store(out + K, last)  # (also where a < k: the reference's cat leaves it there)
+            tl.store(out + K + 1, (a + 1).to(tl.int64))
+        tl.debug_barrier()  # (what a phase stored, read by the program's other threads in the next)
+
+
+def rejection_sample(p, q, drafts, seeds, start):
+    """Kernel of nano_nsa.rejection_sample: the tests, the residual and its draw in one launch (two over a
+    full vocabulary) instead of some thirty kernels. The tokens are the reference's where the race's E has
+    the same bits (see sample)."""
+    B, n, V = p.shape
+    p = p.float().contiguous()
+    q = p if q is None else q.float().contiguous()  # (k = 0: q is never read)
+    out = torch.empty(B, n + 1, dtype=torch.long, device=p.device)
+    if B:
+        args = (q, drafts, drafts.stride(0), seeds.contiguous(), start.contiguous(), out, n - 1)
+        split_rows(_rejection_kernel, p, 5, 2, *args)
+    return out[:, :n], out[:, n]
 
 
 @triton.jit

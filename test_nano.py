@@ -1068,11 +1068,12 @@ def test_rejection_sampling_is_exact(monkeypatch, broken):
     if broken == "residual":
         monkeypatch.setattr(m, "residual_probs", lambda p_, q_: p_)  # resample from p instead of max(p-q, 0)
     elif broken == "always_accept":
+        uniform = m.uniform
 
         def never_rejects(seeds, positions, stream, n):  # the acceptance test's numbers all 0
-            return m.uniform(seeds, positions, stream, n) * (stream != m.ACCEPT)
+            return uniform(seeds, positions, stream, n) * (stream != m.ACCEPT)
 
-        monkeypatch.setattr(m.TORCH_OPS, "uniform", never_rejects)
+        monkeypatch.setattr(m, "uniform", never_rejects)
     outs = _sample_spec(p, q, 12000)
     first = torch.bincount(torch.tensor([o[0] for o in outs]), minlength=6).double()
     second = torch.bincount(torch.tensor([o[1] for o in outs if len(o) > 1]), minlength=6).double()
@@ -2280,8 +2281,32 @@ def test_gpu_full_width_logits_do_not_depend_on_the_batch(tmp_path, monkeypatch)
     assert max(verify.accept_lengths) > 1  # rows past the first emitted
 
 
+def _rejection_case(V, gen, device="cpu"):
+    """Inputs of rejection_sample for 6 requests at k = 3 (and the same at k = 0): drafts drawn from q, the
+    argmax, or anything; a greedy row (one-hot p); a row with p = q (all kept); a row whose first draft has
+    p = q = 0 (rejected with a zero residual: the draw falls back to p); the seeds up to 2^62."""
+    B, k = 6, 3
+    p = torch.softmax(torch.randn(B, k + 1, V, generator=gen) * 2, -1)
+    p[:, :, : V // 2] *= torch.rand(B, k + 1, 1, generator=gen) < 0.5  # some rows lose half their tokens
+    p = p / p.sum(-1, keepdim=True)
+    q = torch.softmax(torch.randn(B, k, V, generator=gen) * 2, -1)
+    q[4, 0, 5] = 0.0
+    q[4, 0] /= q[4, 0].sum()
+    drafts = torch.multinomial(q.flatten(0, 1), 1, generator=gen).view(B, k)
+    drafts[1] = p[1, :k].argmax(-1)
+    p[2] = F.one_hot(torch.randint(0, V, (k + 1,), generator=gen), V).float()  # a greedy row
+    drafts[2, :2] = p[2, :2].argmax(-1)
+    p[3, :k] = q[3]  # p = q: every draft is kept
+    p[4, 0], drafts[4, 0] = q[4, 0], 5
+    seeds = torch.randint(0, 2**62, (B,), generator=gen)
+    start = torch.randint(0, 10**6, (B,), generator=gen)
+    cases = [(p, q, drafts, seeds, start), (p[:, :1].contiguous(), None, drafts[:, :0], seeds, start)]
+    return [tuple(x if x is None else x.to(device) for x in case) for case in cases]
+
+
 _INTERPRETED_SAMPLING = """
 import torch, nano_nsa as m, sampling_kernels as k
+from test_nano import _rejection_case
 k.ROW_CHUNK = 1024  # rows of more than 4096 tokens split into chunks of 1024: the split path on small rows
 k.ROW_IN_REGISTERS = 2048  # rows of up to 2048 in registers, of 2049-4096 the phases in one program
 gen = torch.Generator().manual_seed(0)
@@ -2303,6 +2328,9 @@ for V in (7, 1500, 3000, 5000):
     p = want.float()
     assert torch.equal(k.sample(p, seeds, positions, m.DRAFT), m.sample(p, seeds, positions, m.DRAFT)), V
     assert torch.equal(k.uniform(seeds, positions, m.ACCEPT, V), m.uniform(seeds, positions, m.ACCEPT, V)), V
+    for args in _rejection_case(V, gen):  # k = 3, and k = 0 (q None)
+        want, got = m.rejection_sample(*args), k.rejection_sample(*args)
+        assert all(torch.equal(w, g) for w, g in zip(want, got)), (V, want, got)
 one = torch.tensor([[0.0, 1.0, 0.0, 0.0]])  # u = 1 for the only token of p > 0: it still wins
 assert k.sample(one, torch.tensor(7), torch.tensor([779784]), m.TARGET).item() == 1
 print("ok")
@@ -2353,6 +2381,18 @@ def test_gpu_sample_kernel_matches_reference(V):
 
 
 @gpu
+@pytest.mark.parametrize("V", [7, 2048, 129280])
+def test_gpu_rejection_kernel_matches_reference(V):
+    """Speculative sampling's acceptance in one launch (two over a full vocabulary, split over programs): the
+    reference's kept drafts, draw and count for every row of _rejection_case, at k = 3 and k = 0."""
+    import kernels
+
+    for args in _rejection_case(V, torch.Generator().manual_seed(V), "cuda"):
+        want, got = m.rejection_sample(*args), kernels.GPU_OPS.rejection_sample(*args)
+        assert all(torch.equal(w, g) for w, g in zip(want, got, strict=True)), (V, want, got)
+
+
+@gpu
 @pytest.mark.parametrize("V", [7, 2048, 6000, 10000, 129280])
 def test_gpu_probs_kernel_matches_reference(V):
     """Sampling distributions (softmax / T cut to the top-p nucleus; one-hot for T = 0) from the kernel (a row
@@ -2385,13 +2425,13 @@ def test_gpu_probs_kernel_matches_reference(V):
 def test_gpu_uniform_kernel_is_bit_exact(n):
     """Sampling's counter-based uniform numbers: the kernel gives the reference's bits for random seeds (up to
     2^63) and positions, broadcast as the engine calls it (a seed per request, positions per draft)."""
-    import kernels
+    import sampling_kernels
 
     gen = torch.Generator().manual_seed(n)
     seeds = torch.randint(0, 2**63 - 1, (7, 1), generator=gen)
     positions = torch.randint(0, 200000, (7, 3), generator=gen)
     want = m.uniform(seeds, positions, m.ACCEPT, n)
-    got = kernels.uniform(seeds.cuda(), positions.cuda(), m.ACCEPT, n).cpu()
+    got = sampling_kernels.uniform(seeds.cuda(), positions.cuda(), m.ACCEPT, n).cpu()
     assert got.shape == want.shape == (7, 3, n) and torch.equal(got, want)
     assert 0 < want.min() and want.max() < 1
     if n >= 2048:  # (a mean over enough numbers)
