@@ -1126,14 +1126,14 @@ def residual_probs(p, q):
 
 def rejection_sample(p, q, drafts, seeds, start):
     """Speculative sampling's acceptance (accept's sampling half): p [B, k+1, V] the main model's
-    distributions at positions L..L+k (L = start [B]), q [B, k, V] the drafts' (None where k = 0), drafts [B,
-    k] -> (emitted [B, k+1], counts [B]). Keeps d_j with probability min(1, p(d_j) / q(d_j)), then draws from
-    residual_probs (from p after k acceptances): the output follows p exactly. (A greedy row has a one-hot p:
-    p(d_j) > 0 accepts exactly the drafts equal to its argmax, whatever its q, which greedy rounds leave
-    stale.)"""
+    distributions of the tokens at positions L+1..L+k+1 (from its rows at L..L+k; L = start [B]), q [B, k, V]
+    those d_1..d_k were drawn from (None where k = 0), drafts [B, k] -> (emitted [B, k+1], counts [B]). Keeps
+    d_j with probability min(1, p(d_j) / q(d_j)), then draws from residual_probs (from p after k acceptances):
+    the output follows p exactly. (A greedy row has a one-hot p: p(d_j) > 0 accepts exactly the drafts equal
+    to its argmax, whatever its q, which greedy rounds leave stale.)"""
     B, n, _ = p.shape
     zero = torch.zeros_like(p[:, :1])
-    # [B, k+1, V]: the drafts' distributions, then after k acceptances p itself
+    # [B, k+1, V]: the drafts' distributions, then zeros (after k acceptances the residual is p itself)
     q = zero if q is None else torch.cat([q, zero], 1)
     positions = start[:, None] + 1 + torch.arange(n, device=start.device)  # of the token each row decides
     px, qx = (d[:, :-1].gather(-1, drafts[..., None])[..., 0] for d in (p, q))  # [B, k]

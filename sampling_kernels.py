@@ -12,8 +12,10 @@ import torch
 import triton
 import triton.language as tl
 
-
 # ---- Sampling's random numbers: a counter-based hash of (seed, position, stream, column) ----
+TARGET, ACCEPT = tl.constexpr(1), tl.constexpr(3)  # nano_nsa's streams (the tests compare the draws)
+
+
 @triton.jit
 def _mix32(x):
     """nano_nsa.mix32 on int64 holding 32-bit values (the same integer steps: the same bits)."""
@@ -92,8 +94,8 @@ PROBS_FIELDS = tl.constexpr(6 + 18 * PASSES.value)
 
 def split_rows(kernel, x, fields, phases, *args):
     """kernel(x, *args, workspace, V, FIRST, LAST, CHUNK, SP) over x's rows (its first axis; V its last) x
-    their chunks, for phases 0 ..
-    phases - 1 (a launch runs FIRST .. LAST), with a workspace of `fields` floats a row and chunk."""
+    their chunks, for phases 0 .. phases - 1 (a launch runs FIRST .. LAST), with a workspace of `fields`
+    floats a row and chunk."""
     rows, V = len(x), x.shape[-1]
     S = 1 if V <= 4 * ROW_CHUNK else triton.cdiv(V, ROW_CHUNK)
     chunk = triton.next_power_of_2(V) if S == 1 else ROW_CHUNK
@@ -173,14 +175,14 @@ def sample(probs, seeds, positions, stream):
 
 @triton.jit
 def _kept(p_ptr, q_ptr, d_ptr, seed, start, r, V, K: tl.constexpr):
-    """How many of request r's k drafts d_ptr[0..k-1] are kept: d_j is if u q(d_j) <= p(d_j) and p(d_j) > 0
-    (u its ACCEPT number, stream 3) and d_1..d_{j-1} were (a == j)."""
+    """How many of request r's k drafts d_ptr[0..k-1] are kept: d_ptr[j] (d_{j+1}) is if u q <= p and p > 0 at
+    it (u its ACCEPT number) and the j drafts before it were (a == j)."""
     a = tl.zeros([], tl.int32)
     for j in tl.static_range(K):
         d = tl.load(d_ptr + j)
         px = tl.load(p_ptr + (r * (K + 1) + j).to(tl.int64) * V + d)
         qx = tl.load(q_ptr + (r * K + j).to(tl.int64) * V + d)
-        u = _uniform_block(_key(seed, start + 1 + j, 3), tl.zeros([], tl.int64))
+        u = _uniform_block(_key(seed, start + 1 + j, ACCEPT), tl.zeros([], tl.int64))
         a += ((u * qx <= px) & (px > 0) & (a == j)).to(tl.int32)
     return a
 
@@ -203,17 +205,17 @@ def _rejection_kernel(
     SP: tl.constexpr,
 ):
     """nano_nsa.rejection_sample for request r. Every program first finds a, the drafts kept (_kept: scalar
-    loads). Phase 0, per chunk: the race over the residual max(p_a - q_a, 0) and
-    the race over p_a (E as _sample_kernel makes them; each race's max and first index: workspace fields 0-1
-    and 2-3) and the residual's max (4). Phase 1, chunk 0: the draw (the residual's race, or p's where the
-    residual is 0) and the row's k+1 tokens and count."""
+    loads). Phase 0, per chunk: the race over the residual max(p_a - q_a, 0) and the race over p_a (E as
+    _sample_kernel makes them; each race's max and first index: workspace fields 0-1 and 2-3) and the
+    residual's max (4). Phase 1, chunk 0: the draw (the residual's race, or p's where the residual is 0) and
+    the row's k+1 tokens and count."""
     r, c, S = tl.program_id(0), tl.program_id(1), tl.num_programs(1)
     ws = ws_ptr + r.to(tl.int64) * 5 * S
     seed, start = tl.load(seed_ptr + r), tl.load(start_ptr + r)
     a = _kept(p_ptr, q_ptr, d_ptr + r * d_stride, seed, start, r, V, K)
     for phase in tl.static_range(FIRST, LAST + 1):
         if phase == 0:
-            key = _key(seed, start + 1 + a, 1)  # (stream 1: TARGET)
+            key = _key(seed, start + 1 + a, TARGET)
             p_row = p_ptr + (r * (K + 1) + a).to(tl.int64) * V
             q_row = q_ptr + (r * K + a).to(tl.int64) * V
             best_r, first_r = tl.zeros([], tl.float32) - 1.0, tl.zeros([], tl.int32)
@@ -251,6 +253,7 @@ def rejection_sample(p, q, drafts, seeds, start):
     full vocabulary) instead of some thirty kernels. The tokens are the reference's where the race's E has
     the same bits (see sample)."""
     B, n, V = p.shape
+    assert drafts.stride(-1) == 1, "the drafts' rows are read with their row stride, each row contiguous"
     p = p.float().contiguous()
     q = p if q is None else q.float().contiguous()  # (k = 0: q is never read)
     out = torch.empty(B, n + 1, dtype=torch.long, device=p.device)

@@ -2282,31 +2282,61 @@ def test_gpu_full_width_logits_do_not_depend_on_the_batch(tmp_path, monkeypatch)
 
 
 def _rejection_case(V, gen, device="cpu"):
-    """Inputs of rejection_sample for 6 requests at k = 3 (and the same at k = 0): drafts drawn from q, the
-    argmax, or anything; a greedy row (one-hot p); a row with p = q (all kept); a row whose first draft has
-    p = q = 0 (rejected with a zero residual: the draw falls back to p); the seeds up to 2^62."""
-    B, k = 6, 3
-    p = torch.softmax(torch.randn(B, k + 1, V, generator=gen) * 2, -1)
-    p[:, :, : V // 2] *= torch.rand(B, k + 1, 1, generator=gen) < 0.5  # some rows lose half their tokens
+    """Inputs of rejection_sample for 16 requests at k = 3 (and the same at k = 0), the drafts a strided view
+    as the engine passes them (its batch.tokens[:, 1:]): drafts drawn from q, the argmax, or uniformly; q
+    drawn near p, so that a rejection's residual draw often differs from a draw from p (the check below
+    counts them); a greedy row (one-hot p); a row with p = q (all kept); a row whose first draft has p = q = 0
+    (rejected with a zero residual: the draw falls back to p); a row whose residual is 0 on the first half of
+    the vocabulary (zero in a split row's first chunks, not in its last); the seeds up to 2^62."""
+    B, k = 16, 3
+    logits = torch.randn(B, k + 1, V, generator=gen) * 2
+    p = torch.softmax(logits, -1)
+    p[:, :, : V // 2] *= torch.rand(B, k + 1, 1, generator=gen) < 0.3  # some rows lose half their tokens
     p = p / p.sum(-1, keepdim=True)
     q = torch.softmax(torch.randn(B, k, V, generator=gen) * 2, -1)
+    q[8:] = torch.softmax(logits[8:, :k] + 0.7 * torch.randn(B - 8, k, V, generator=gen), -1)  # near p
     q[4, 0, 5] = 0.0
     q[4, 0] /= q[4, 0].sum()
     drafts = torch.multinomial(q.flatten(0, 1), 1, generator=gen).view(B, k)
     drafts[1] = p[1, :k].argmax(-1)
+    drafts[6] = torch.randint(0, V, (k,), generator=gen)
     p[2] = F.one_hot(torch.randint(0, V, (k + 1,), generator=gen), V).float()  # a greedy row
     drafts[2, :2] = p[2, :2].argmax(-1)
     p[3, :k] = q[3]  # p = q: every draft is kept
     p[4, 0], drafts[4, 0] = q[4, 0], 5
+    q[5, 0] = 1.5 * p[5, 0] * (torch.arange(V) < V // 2)  # the residual is p's second half
+    drafts[5, 0] = p[5, 0, : V // 2].argmin()  # (p set to 0 there: rejected)
+    p[5, 0, drafts[5, 0]] = 0.0
+    tokens = torch.cat([torch.zeros(B, 1, dtype=torch.long), drafts], 1)
     seeds = torch.randint(0, 2**62, (B,), generator=gen)
     start = torch.randint(0, 10**6, (B,), generator=gen)
-    cases = [(p, q, drafts, seeds, start), (p[:, :1].contiguous(), None, drafts[:, :0], seeds, start)]
+    cases = [(p, q, tokens[:, 1:], seeds, start), (p[:, :1].contiguous(), None, tokens[:, 1:1], seeds, start)]
     return [tuple(x if x is None else x.to(device) for x in case) for case in cases]
+
+
+def _check_rejection_kernel(kernel, V, gen, device="cpu"):
+    """kernel (sampling_kernels.rejection_sample) against nano_nsa.rejection_sample on _rejection_case: the
+    same tokens and counts. And the case tests what it should: at k = 3 some rows keep every draft, and some
+    reject one and draw another token from the residual than a draw from p would be."""
+    cases = _rejection_case(V, gen, device)
+    for args in cases:
+        want, got = m.rejection_sample(*args), kernel(*args)
+        assert all(torch.equal(w, g) for w, g in zip(want, got, strict=True)), (V, want, got)
+    emitted, counts = m.rejection_sample(*cases[0])
+    residual = m.residual_probs
+    m.residual_probs = lambda p, q: p  # a draw from p where the residual's should be
+    try:
+        from_p = m.rejection_sample(*cases[0])[0]
+    finally:
+        m.residual_probs = residual
+    last = counts[:, None] - 1
+    differ = (counts < 4) & (emitted.gather(1, last) != from_p.gather(1, last))[:, 0]
+    assert (counts == 4).any() and differ.any(), (V, counts, differ)
 
 
 _INTERPRETED_SAMPLING = """
 import torch, nano_nsa as m, sampling_kernels as k
-from test_nano import _rejection_case
+from test_nano import _check_rejection_kernel
 k.ROW_CHUNK = 1024  # rows of more than 4096 tokens split into chunks of 1024: the split path on small rows
 k.ROW_IN_REGISTERS = 2048  # rows of up to 2048 in registers, of 2049-4096 the phases in one program
 gen = torch.Generator().manual_seed(0)
@@ -2328,9 +2358,7 @@ for V in (7, 1500, 3000, 5000):
     p = want.float()
     assert torch.equal(k.sample(p, seeds, positions, m.DRAFT), m.sample(p, seeds, positions, m.DRAFT)), V
     assert torch.equal(k.uniform(seeds, positions, m.ACCEPT, V), m.uniform(seeds, positions, m.ACCEPT, V)), V
-    for args in _rejection_case(V, gen):  # k = 3, and k = 0 (q None)
-        want, got = m.rejection_sample(*args), k.rejection_sample(*args)
-        assert all(torch.equal(w, g) for w, g in zip(want, got)), (V, want, got)
+    _check_rejection_kernel(k.rejection_sample, V, gen)  # k = 3, and k = 0 (q None)
 one = torch.tensor([[0.0, 1.0, 0.0, 0.0]])  # u = 1 for the only token of p > 0: it still wins
 assert k.sample(one, torch.tensor(7), torch.tensor([779784]), m.TARGET).item() == 1
 print("ok")
@@ -2387,9 +2415,7 @@ def test_gpu_rejection_kernel_matches_reference(V):
     reference's kept drafts, draw and count for every row of _rejection_case, at k = 3 and k = 0."""
     import kernels
 
-    for args in _rejection_case(V, torch.Generator().manual_seed(V), "cuda"):
-        want, got = m.rejection_sample(*args), kernels.GPU_OPS.rejection_sample(*args)
-        assert all(torch.equal(w, g) for w, g in zip(want, got, strict=True)), (V, want, got)
+    _check_rejection_kernel(kernels.GPU_OPS.rejection_sample, V, torch.Generator().manual_seed(V), "cuda")
 
 
 @gpu
