@@ -2282,19 +2282,20 @@ def test_gpu_full_width_logits_do_not_depend_on_the_batch(tmp_path, monkeypatch)
 
 
 def _rejection_case(V, gen, device="cpu"):
-    """Inputs of rejection_sample for 16 requests at k = 3 (and the same at k = 0), the drafts a strided view
-    as the engine passes them (its batch.tokens[:, 1:]): drafts drawn from q, the argmax, or uniformly; q
-    drawn near p, so that a rejection's residual draw often differs from a draw from p (the check below
-    counts them); a greedy row (one-hot p); a row with p = q (all kept); a row whose first draft has p = q = 0
+    """Inputs of rejection_sample for 32 requests at k = 3 (and the same at k = 0), the drafts a strided view
+    as the engine passes them (its batch.tokens[:, 1:]): drafts drawn from q, the argmax, or uniformly; q of
+    most rows a sharper p (more weight than p on p's likely tokens), so that a rejection's residual draw
+    often differs from a draw from p (the check below counts them; 1-9 of the rows for seeds 0-39 and each
+    V tested); a greedy row (one-hot p); a row with p = q (all kept); a row whose first draft has p = q = 0
     (rejected with a zero residual: the draw falls back to p); a row whose residual is 0 on the first half of
     the vocabulary (zero in a split row's first chunks, not in its last); the seeds up to 2^62."""
-    B, k = 16, 3
+    B, k = 32, 3
     logits = torch.randn(B, k + 1, V, generator=gen) * 2
     p = torch.softmax(logits, -1)
     p[:, :, : V // 2] *= torch.rand(B, k + 1, 1, generator=gen) < 0.3  # some rows lose half their tokens
     p = p / p.sum(-1, keepdim=True)
     q = torch.softmax(torch.randn(B, k, V, generator=gen) * 2, -1)
-    q[8:] = torch.softmax(logits[8:, :k] + 0.7 * torch.randn(B - 8, k, V, generator=gen), -1)  # near p
+    q[8:] = torch.softmax(logits[8:, :k] * 1.5 + 0.3 * torch.randn(B - 8, k, V, generator=gen), -1)
     q[4, 0, 5] = 0.0
     q[4, 0] /= q[4, 0].sum()
     drafts = torch.multinomial(q.flatten(0, 1), 1, generator=gen).view(B, k)
