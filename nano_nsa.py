@@ -1095,11 +1095,10 @@ class Batch:
 
     tokens: torch.Tensor  # [B, k+1] x_L (the last token), then the drafts d_1..d_k
     start: torch.Tensor  # [B] L: the position of x_L (its KV and the drafts' are written this round)
-    q: torch.Tensor  # [B, k, vocab] the drafts' distributions (None: a greedy round's, or k = 0)
+    q: torch.Tensor  # [B, k, vocab] the drafts' distributions (one-hot for greedy; None where k = 0)
     seeds: torch.Tensor  # [B] int64
     temperature: torch.Tensor  # [B] fp32, 0 for greedy
     top_p: torch.Tensor  # [B] fp32
-    sampling: bool = False  # host: whether any request of a round samples (a greedy one needs no q)
 
     @classmethod
     def empty(cls, n, k, vocab, device):
@@ -1109,13 +1108,9 @@ class Batch:
         q = floats(n, k, vocab, dtype=acc_dtype(floats(0))) if k else None  # (as probs_from_logits gives)
         return cls(ints(n, k + 1), ints(n), q, ints(n), floats(n), floats(n) + 1)
 
-    def take(self, ids, sampling):
-        """The rows ids [B] as a round's Batch (a greedy round reads only the tokens and positions)."""
-        if not sampling:
-            return Batch(self.tokens[ids], self.start[ids], None, None, None, None)
-        q = None if self.q is None else self.q[ids]
-        how = (self.seeds[ids], self.temperature[ids], self.top_p[ids])
-        return Batch(self.tokens[ids], self.start[ids], q, *how, sampling=True)
+    def take(self, ids):
+        """The rows ids [B] as a round's Batch (each field's rows ids)."""
+        return Batch(*(x if x is None else x[ids] for x in vars(self).values()))
 
 
 def residual_probs(p, q):
@@ -1125,12 +1120,12 @@ def residual_probs(p, q):
 
 
 def rejection_sample(p, q, drafts, seeds, start):
-    """Speculative sampling's acceptance (accept's sampling half): p [B, k+1, V] the main model's
-    distributions of the tokens at positions L+1..L+k+1 (from its rows at L..L+k; L = start [B]), q [B, k, V]
-    those d_1..d_k were drawn from (None where k = 0), drafts [B, k] -> (emitted [B, k+1], counts [B]). Keeps
-    d_j with probability min(1, p(d_j) / q(d_j)), then draws from residual_probs (from p after k acceptances):
-    the output follows p exactly. (A greedy row has a one-hot p: p(d_j) > 0 accepts exactly the drafts equal
-    to its argmax, whatever its q, which greedy rounds leave stale.)"""
+    """Speculative sampling's acceptance (accept's work): p [B, k+1, V] the main model's distributions of
+    the tokens at positions L+1..L+k+1 (from its rows at L..L+k; L = start [B]), q [B, k, V] those d_1..d_k
+    were drawn from (None where k = 0), drafts [B, k] -> (emitted [B, k+1], counts [B]). Keeps d_j with
+    probability min(1, p(d_j) / q(d_j)), then draws from residual_probs (from p after k acceptances): the
+    output follows p exactly. (A greedy row has a one-hot p: p(d_j) > 0 accepts exactly the drafts equal to
+    its argmax, whatever its q, and then the argmax is drawn.)"""
     B, n, _ = p.shape
     zero = torch.zeros_like(p[:, :1])
     # [B, k+1, V]: the drafts' distributions, then zeros (after k acceptances the residual is p itself)
@@ -1154,14 +1149,11 @@ def accept(ops, batch: Batch, logits):
     """Speculative acceptance of every request at once, on the device: batch.tokens [B, k+1] x_L, d_1..d_k at
     positions L..L+k (L = batch.start), batch.q [B, k, V] the drafts' distributions; logits [B, k+1, V] the
     main model's at those rows -> (emitted [B, k+1]: the accepted drafts, then one token of the main model;
-    counts [B]: how many). Greedy keeps the longest prefix of drafts equal to the argmax, then the argmax;
-    sampling runs rejection_sample on the rows' distributions."""
-    drafts = batch.tokens[:, 1:]
-    if not batch.sampling:
-        target = logits.argmax(-1)  # [B, k+1]: the accepted drafts equal it
-        return target, (drafts == target[:, :-1]).cumprod(1).sum(1) + 1
+    counts [B]: how many): rejection_sample on the rows' distributions. A greedy request is one at
+    temperature 0, whose p is one-hot on the argmax: it keeps the longest prefix of drafts equal to the
+    argmax, then emits the argmax, the same rule in the same round as a sampled one's."""
     p = ops.probs_from_logits(logits, batch.temperature[:, None], batch.top_p[:, None])  # [B, k+1, V]
-    return ops.rejection_sample(p, batch.q, drafts, batch.seeds, batch.start)
+    return ops.rejection_sample(p, batch.q, batch.tokens[:, 1:], batch.seeds, batch.start)
 
 
 # ---- Requests and results ----------------------------------------------------------------------------------
@@ -1378,9 +1370,9 @@ class Scheduler:
 
 
 # ---- The speculative round: verify -> accept -> draft-extend -> draft, one function of device tensors ------
-def speculative_round(model, cache, state: Batch, ids, sampling, table):
-    """One decode round of the requests in rows ids [B] of `state` (sampling: whether any samples; table [B,
-    W]: their page-table rows), on the device with no host synchronization (a CUDA graph captures it whole) ->
+def speculative_round(model, cache, state: Batch, ids, table):
+    """One decode round of the requests in rows ids [B] of `state` (table [B, W]: their page-table rows),
+    greedy and sampled alike, on the device with no host synchronization (a CUDA graph captures it whole) ->
     (emitted [B, k+2]: the emitted tokens, then how many; the verify logits [B, k+1, V]); their rows then hold
     the next round's inputs. The four phases:
     1. verify: the main model over x_L, d_1..d_k of every request, each a decode row of its own, with its own
@@ -1395,7 +1387,7 @@ def speculative_round(model, cache, state: Batch, ids, sampling, table):
       extend   MTP rows 10, 11, 12 pair h_p with x_{p+1} = d_1, d_2, t; row 13 writes the dummy slot 0
       draft    L' = 13: the MTP row at 12 drafts d'_1 (position 14), steps at 13 and 14 draft d'_2, d'_3
       next     the round's tokens t, d'_1, d'_2, d'_3 at positions 13..16"""
-    batch = state.take(ids, sampling)
+    batch = state.take(ids)
     B, n = batch.tokens.shape
     dev = batch.tokens.device
     offsets = torch.arange(n, device=dev)
@@ -1414,8 +1406,7 @@ def speculative_round(model, cache, state: Batch, ids, sampling, table):
         start = batch.start + counts  # L': the position of the last emitted token
         drafts, q = draft(model, cache, h, start, batch, table)  # 4. draft
         next_tokens = torch.cat([emitted.gather(1, counts[:, None] - 1), drafts], 1)
-        if q is not None:
-            state.q[ids] = q
+        state.q[ids] = q
     state.tokens[ids] = next_tokens
     # a padding row (its table all slot 0) stays at position 0: its rows stay inside any table's width
     state.start.index_add_(0, ids, counts * (table[:, 0] > 0))
@@ -1426,7 +1417,7 @@ def draft(model, cache, h, start, batch, table):
     """The batch's k draft tokens per request, on the device: d_1 from the MTP row just run at position start
     - 1 (start [B]: L', the next round's, not batch.start; its hidden state h [B, dim]), then k-1 chained MTP
     decode steps at positions start, start + 1, ... -> (drafts [B, k], the distributions q [B, k, vocab] they
-    were drawn from; None for a greedy batch, whose drafts are the argmax)."""
+    were drawn from: one-hot on the argmax for a greedy request)."""
     B, k = len(start), batch.tokens.shape[1] - 1
     rows = torch.arange(B, device=start.device)
     tokens, dists = [], []
@@ -1434,13 +1425,10 @@ def draft(model, cache, h, start, batch, table):
         if step:
             meta = Meta("decode", start + (step - 1), rows, table, list(range(B + 1)))
             h = model.mtp_forward(tokens[-1], h, meta, cache)
-        logits = model.mtp[0].logits(h)  # [B, V]
-        if batch.sampling:  # (d_{step+1} is the token at position start + step + 1)
-            dists.append(model.ops.probs_from_logits(logits, batch.temperature, batch.top_p))
-            tokens.append(model.ops.sample(dists[-1], batch.seeds, start + (step + 1), DRAFT))
-        else:
-            tokens.append(logits.argmax(-1))
-    return torch.stack(tokens, 1), torch.stack(dists, 1) if batch.sampling else None
+        logits = model.mtp[0].logits(h)  # [B, V]; d_{step+1} is the token at position start + step + 1
+        dists.append(model.ops.probs_from_logits(logits, batch.temperature, batch.top_p))
+        tokens.append(model.ops.sample(dists[-1], batch.seeds, start + (step + 1), DRAFT))
+    return torch.stack(tokens, 1), torch.stack(dists, 1)
 
 
 def read_back(x):
@@ -1464,10 +1452,10 @@ def graph_buckets(max_bs, rows_per_req, tp=1):
 
 
 class CudaGraphs:
-    """speculative_round as CUDA graphs, each captured when a round first needs it: one per batch-size bucket,
-    context bound (the indexer's width, a shape of the graph) and kind (a sampling round computes the
-    distributions too). A replay reads the rows of the decode state named in one static buffer of ids
-    (padding rows: row 0, their table rows all the dummy slot 0) through one static page table."""
+    """speculative_round as CUDA graphs, each captured when a round first needs it: one per batch-size bucket
+    and context bound (the indexer's width, a shape of the graph). A replay reads the rows of the decode state
+    named in one static buffer of ids (padding rows: row 0, their table rows all the dummy slot 0) through one
+    static page table."""
 
     def __init__(self, model, cache, state: Batch, num_draft, max_batch, max_context, page_size):
         self.model, self.cache, self.state = model, cache, state
@@ -1488,12 +1476,12 @@ class CudaGraphs:
             return topk
         return min(1 << (max_ctx - 1).bit_length(), self.max_width)
 
-    def run(self, ids, sampling, table):
+    def run(self, ids, table):
         """speculative_round's replay for the requests of rows ids [B] (table [B, W]: W bounds their contexts)
         -> the graph's outputs, overwritten by its next replay (rows past B are padding)."""
         B = len(ids)
         bs = next(b for b in self.buckets if b >= B)
-        key = (bs, self.width(table.shape[1]), sampling)
+        key = (bs, self.width(table.shape[1]))
         self.ids[:B] = ids
         self.table[:B, : table.shape[1]] = table  # (columns past it: stale, past every row's causal length)
         if B < bs:
@@ -1505,12 +1493,12 @@ class CudaGraphs:
         return out
 
     def capture(self, key):
-        """Capture the round for (bucket, context bound, sampling) on the static ids and table (which
-        kernels.capture zeroes for its warm-up run, then restores)."""
-        bs, width, sampling = key
-        tensors = (self.model, self.cache, self.state, self.ids[:bs], sampling, self.table[:bs, :width])
+        """Capture the round for (bucket, context bound) on the static ids and table (which kernels.capture
+        zeroes for its warm-up run, then restores)."""
+        bs, width = key
+        tensors = (self.model, self.cache, self.state, self.ids[:bs], self.table[:bs, :width])
         round_ = functools.partial(speculative_round, *tensors)
-        what = f"the {'sampling' if sampling else 'greedy'} round for bs {bs}, contexts <= {width}"
+        what = f"the round for bs {bs}, contexts <= {width}"
         graph, out = self.model.ops.capture(round_, self.memory_pool, [self.ids, self.table], what)
         self.memory_pool = self.memory_pool or graph.pool()
         self.graphs[key] = (graph, out)
@@ -1579,8 +1567,8 @@ class LLM:
             self.warm_up()
 
     def warm_up(self):
-        """Build the GPU kernels (Triton compiles them at first use) and the greedy round's graphs of one and
-        two requests before any generate the caller times."""
+        """Build the GPU kernels (Triton compiles them at first use) and the round's graphs of one and two
+        requests before any generate the caller times."""
         t0 = time.perf_counter()
         for lengths in ((5, 16), (16,)):
             self.generate([[self.cfg.bos_token_id] * n for n in lengths], max_new_tokens=2)
@@ -1639,7 +1627,7 @@ class LLM:
         the prompt's next token x_{p+1}. A prompt's last token x_{P-1} is not prefilled: it is x_L of the
         request's first decode round, so every token a request emits is drawn by a round. That round's k
         drafts all repeat the MTP layer's guess of x_P from the last prefilled row, an argmax, so drawn from a
-        one-hot q (exact acceptance when sampling). Only d_1 is a real guess (chaining would need MTP decode
+        one-hot q (exact acceptance). Only d_1 is a real guess (chaining would need MTP decode
         steps here): d_2..d_k are placeholders, mostly rejected, free as their verify rows run anyway."""
         reqs, starts, lens = zip(*chunks, strict=True)
         meta = Meta.build("prefill", starts, lens, self.pool.table(reqs))
@@ -1673,13 +1661,12 @@ class LLM:
         if self.rows[0] != reqs:  # the batch's rows of the decode state (on the device, kept while it stays)
             self.rows = (reqs, to_device(torch.tensor([r.row for r in reqs]), self.device))
         ids = self.rows[1]
-        sampling = any(r.temperature > 0 for r in reqs)
         # their page tables (with reserve_round's new pages), cut to the furthest position it may write
         table = self.pool.table(reqs)[:, : max(r.num_cached for r in reqs) + round_lookahead(self.num_draft)]
         if self.graphs:
-            emitted, logits = self.graphs.run(ids, sampling, table)
+            emitted, logits = self.graphs.run(ids, table)
         else:
-            emitted, logits = speculative_round(self.model, self.cache, self.state, ids, sampling, table)
+            emitted, logits = speculative_round(self.model, self.cache, self.state, ids, table)
         if any(r.return_logits for r in reqs):  # (a CUDA graph's next replay overwrites them)
             logits = logits.clone()
         # round n+1 is queued; apply round n (None after a settle) now, while the GPU runs n+1

@@ -887,19 +887,6 @@ def mixed_prompts(n=8, seed=12):
     return [torch.randint(6, 262, (k,), generator=g).tolist() for k in lens]
 
 
-def keep_seeds(monkeypatch):
-    """Greedy rounds gather no seeds; tests that tell a round's requests apart by them (generate(seed=0):
-    prompt i has seed i) have them gathered."""
-    take = m.Batch.take
-
-    def take_with_seeds(self, ids, sampling):
-        batch = take(self, ids, sampling)
-        batch.seeds = self.seeds[ids]
-        return batch
-
-    monkeypatch.setattr(m.Batch, "take", take_with_seeds)
-
-
 def oracle_drafts(monkeypatch, prompts, reference, wrong_every=7):
     """Replace the round's draft phase (nano_nsa.draft) by an oracle that proposes the plain run's next
     tokens, wrong where (position + seed) % wrong_every == 0, so verify accepts runs of drafts and rejects
@@ -918,10 +905,10 @@ def oracle_drafts(monkeypatch, prompts, reference, wrong_every=7):
         seeds = batch.seeds[:, None]
         pos = (start[:, None] + 1 + torch.arange(k, device=start.device)).clamp(max=width - 1)  # d_1..d_k
         t = truth[seeds.clamp(max=len(seqs) - 1), pos]
-        return torch.where((pos + seeds) % wrong_every == 0, (t + 1) % 262, t), None
+        drafts = torch.where((pos + seeds) % wrong_every == 0, (t + 1) % 262, t)
+        return drafts, F.one_hot(drafts, model.cfg.vocab_size).to(batch.q.dtype)  # (greedy: any q will do)
 
     monkeypatch.setattr(m, "draft", draft)
-    keep_seeds(monkeypatch)
 
 
 @pytest.mark.parametrize("mtp", [0, 2])
@@ -1052,7 +1039,7 @@ def _sample_spec(p, q, n_seeds):
     qs = q[None].expand(n_seeds, -1, -1).double()
     drafts = m.sample(qs, seeds[:, None], 1 + torch.arange(k), m.DRAFT)  # [n, k]
     tokens = torch.cat([torch.zeros(n_seeds, 1, dtype=torch.long), drafts], 1)
-    batch = m.Batch(tokens, start, qs, seeds, torch.ones(n_seeds), torch.ones(n_seeds), True)
+    batch = m.Batch(tokens, start, qs, seeds, torch.ones(n_seeds), torch.ones(n_seeds))
     emitted, counts = m.accept(m.TORCH_OPS, batch, p.log()[None].expand(n_seeds, -1, -1))
     return [e[:c].tolist() for e, c in zip(emitted, counts, strict=True)]
 
@@ -1084,9 +1071,9 @@ def test_rejection_sampling_is_exact(monkeypatch, broken):
         assert stat > CHI2_CRIT_DF5, f"the broken rule ({broken}) went undetected: chi2 {stat:.1f}"
 
 
-def test_a_greedy_row_of_a_sampling_round_accepts_its_argmax_whatever_its_q():
-    """A greedy round keeps no drafts' distributions, so a greedy row's q in a sampling round may be any
-    left-over values: it must still keep exactly the drafts equal to its argmax and then emit the argmax."""
+def test_a_greedy_row_accepts_its_argmax_whatever_its_q():
+    """A greedy row's p is one-hot on its argmax: whatever its q (any values here; the engine's is one-hot
+    on its drafts), it must keep exactly the drafts equal to its argmax and then emit the argmax."""
     g = torch.Generator().manual_seed(5)
     B, k, V = 64, 3, 6
     logits = torch.randn(B, k + 1, V, generator=g, dtype=torch.float64)
@@ -1096,7 +1083,7 @@ def test_a_greedy_row_of_a_sampling_round_accepts_its_argmax_whatever_its_q():
     q[::2] = q[::2] * (torch.rand(B // 2, k, V, generator=g) < 0.5)  # stale q, zero at some wrong drafts
     tokens = torch.cat([torch.zeros(B, 1, dtype=torch.long), drafts], 1)
     batch = m.Batch(
-        tokens, torch.zeros(B, dtype=torch.long), q, torch.arange(B), torch.zeros(B), torch.ones(B), True
+        tokens, torch.zeros(B, dtype=torch.long), q, torch.arange(B), torch.zeros(B), torch.ones(B)
     )
     emitted, counts = m.accept(m.TORCH_OPS, batch, logits)
     want = (drafts == best[:, :k]).cumprod(1).sum(1) + 1
@@ -1167,17 +1154,17 @@ def test_seeded_sampling_does_not_depend_on_the_batch(tiny_dir, mtp):
 
 def test_every_decode_round_is_the_one_speculative_round(tiny_dir, monkeypatch):
     """Greedy and sampling batches, with and without drafts, run their decode rounds through one function,
-    speculative_round (verify, accept, draft-extend, draft on the device), once per round."""
+    speculative_round (verify, accept, draft-extend, draft on the device), once per round: the round has no
+    greedy or sampling mode (a greedy request is one at temperature 0)."""
     calls = []
     round_ = m.speculative_round
-    monkeypatch.setattr(m, "speculative_round", lambda *a: calls.append(a[4]) or round_(*a))
+    monkeypatch.setattr(m, "speculative_round", lambda *a: calls.append(a) or round_(*a))
     for mtp in (0, 2):
         llm = make_llm(tiny_dir, mtp)
         for temperature in (0.0, 0.7):
             calls.clear()
             llm.generate(mixed_prompts(3), max_new_tokens=6, temperature=temperature, seed=1)
             assert len(calls) == llm.stats["decode_rounds"] > 0
-            assert set(calls) == {temperature > 0}
 
 
 def test_continuous_batching_equals_each_prompt_alone(tiny_dir):
@@ -1555,7 +1542,6 @@ def test_mtp_drafts_match_recomputed_mtp(tiny_dir, tmp_path, monkeypatch, mtp_la
         return drafts, q
 
     monkeypatch.setattr(m, "draft", draft)
-    keep_seeds(monkeypatch)
     prompts = mixed_prompts(4, seed=15)
     out = llm.generate(prompts, max_new_tokens=14, seed=0)  # (prompt i has seed i)
     model = llm.model
@@ -1637,7 +1623,6 @@ def test_sampled_drafts_draw_from_their_own_stream(tiny_dir):
         seeds,
         torch.full((B,), 1.5),
         torch.ones(B),
-        True,
     )
     drafts, q = m.draft(model, m.KVCache(cfg, 1 + B * 32), h, start, batch, table)
 
