@@ -1120,8 +1120,8 @@ def residual_probs(p, q):
 
 
 def rejection_sample(p, q, drafts, seeds, start):
-    """Speculative sampling's acceptance (accept's work): p [B, k+1, V] the main model's distributions of
-    the tokens at positions L+1..L+k+1 (from its rows at L..L+k; L = start [B]), q [B, k, V] those d_1..d_k
+    """Speculative sampling's acceptance rule (accept runs it): p [B, k+1, V] the main model's distributions
+    of the tokens at positions L+1..L+k+1 (from its rows at L..L+k; L = start [B]), q [B, k, V] those d_1..d_k
     were drawn from (None where k = 0), drafts [B, k] -> (emitted [B, k+1], counts [B]). Keeps d_j with
     probability min(1, p(d_j) / q(d_j)), then draws from residual_probs (from p after k acceptances): the
     output follows p exactly. (A greedy row has a one-hot p: p(d_j) > 0 accepts exactly the drafts equal to
