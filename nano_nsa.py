@@ -1124,8 +1124,9 @@ def rejection_sample(p, q, drafts, seeds, start):
     of the tokens at positions L+1..L+k+1 (from its rows at L..L+k; L = start [B]), q [B, k, V] those d_1..d_k
     were drawn from (None where k = 0), drafts [B, k] -> (emitted [B, k+1], counts [B]). Keeps d_j with
     probability min(1, p(d_j) / q(d_j)), then draws from residual_probs (from p after k acceptances): the
-    output follows p exactly. (A greedy row has a one-hot p: p(d_j) > 0 accepts exactly the drafts equal to
-    its argmax, whatever its q, and then the argmax is drawn.)"""
+    output follows p exactly. Greedy, temperature 0, is its one-hot case: p(d) = 1 at the argmax, so u q(d) <=
+    1 keeps that draft whatever q is; p(d) = 0 rejects any other; max(p - q, 0) is non-zero only at the argmax
+    (else the draw falls back to p): the longest prefix of drafts equal to the argmax, then the argmax."""
     B, n, _ = p.shape
     zero = torch.zeros_like(p[:, :1])
     # [B, k+1, V]: the drafts' distributions, then zeros (after k acceptances the residual is p itself)
@@ -1133,27 +1134,27 @@ def rejection_sample(p, q, drafts, seeds, start):
     positions = start[:, None] + 1 + torch.arange(n, device=start.device)  # of the token each row decides
     px, qx = (d[:, :-1].gather(-1, drafts[..., None])[..., 0] for d in (p, q))  # [B, k]
     u = uniform(seeds[:, None], positions[:, :-1], ACCEPT, 1)[..., 0]
-    a = ((u * qx <= px) & (px > 0)).long().cumprod(1).sum(1)  # [B] accepted drafts
+    # [B] accepted drafts (p > 0: where q is 0 too, 0 <= 0 would keep a draft of probability 0)
+    a = ((u * qx <= px) & (px > 0)).long().cumprod(1).sum(1)
     rows = torch.arange(B, device=start.device)
     last = sample(residual_probs(p[rows, a], q[rows, a]), seeds, positions[rows, a], TARGET)
     emitted = torch.cat([drafts, last[:, None]], 1).scatter(1, a[:, None], last[:, None])
     return emitted, a + 1
 
 
-# the kernel boundary's engine ops (sampling_kernels.py on a GPU: a launch or two each; the references ~20-30)
-TORCH_OPS.sample, TORCH_OPS.probs_from_logits = sample, probs_from_logits
-TORCH_OPS.rejection_sample = rejection_sample
-
-
 def accept(ops, batch: Batch, logits):
     """Speculative acceptance of every request at once, on the device: batch.tokens [B, k+1] x_L, d_1..d_k at
     positions L..L+k (L = batch.start), batch.q [B, k, V] the drafts' distributions; logits [B, k+1, V] the
     main model's at those rows -> (emitted [B, k+1]: the accepted drafts, then one token of the main model;
-    counts [B]: how many): rejection_sample on the rows' distributions. A greedy request is one at
-    temperature 0, whose p is one-hot on the argmax: it keeps the longest prefix of drafts equal to the
-    argmax, then emits the argmax, the same rule in the same round as a sampled one's."""
+    counts [B]: how many): rejection_sample on the rows' distributions, for every request (a greedy one is one
+    at temperature 0, its distributions one-hot: see rejection_sample)."""
     p = ops.probs_from_logits(logits, batch.temperature[:, None], batch.top_p[:, None])  # [B, k+1, V]
     return ops.rejection_sample(p, batch.q, batch.tokens[:, 1:], batch.seeds, batch.start)
+
+
+# the kernel boundary's engine ops (sampling_kernels.py on a GPU: a launch or two each; the references ~20-30)
+TORCH_OPS.sample, TORCH_OPS.probs_from_logits = sample, probs_from_logits
+TORCH_OPS.rejection_sample = rejection_sample
 
 
 # ---- Requests and results ----------------------------------------------------------------------------------
@@ -1627,8 +1628,8 @@ class LLM:
         the prompt's next token x_{p+1}. A prompt's last token x_{P-1} is not prefilled: it is x_L of the
         request's first decode round, so every token a request emits is drawn by a round. That round's k
         drafts all repeat the MTP layer's guess of x_P from the last prefilled row, an argmax, so drawn from a
-        one-hot q (exact acceptance). Only d_1 is a real guess (chaining would need MTP decode
-        steps here): d_2..d_k are placeholders, mostly rejected, free as their verify rows run anyway."""
+        one-hot q (exact acceptance). Only d_1 is a real guess (chaining would need MTP decode steps here):
+        d_2..d_k are placeholders, mostly rejected, free as their verify rows run anyway."""
         reqs, starts, lens = zip(*chunks, strict=True)
         meta = Meta.build("prefill", starts, lens, self.pool.table(reqs))
         pairs = [r.tokens[p : p + 2] for r, s, n in chunks for p in range(s, s + n)]  # (x_p, x_{p+1})
