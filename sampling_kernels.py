@@ -212,7 +212,8 @@ def _rejection_kernel(
     r, c, S = tl.program_id(0), tl.program_id(1), tl.num_programs(1)
     ws = ws_ptr + r.to(tl.int64) * 5 * S
     seed, start = tl.load(seed_ptr + r), tl.load(start_ptr + r)
-    a = _kept(p_ptr, q_ptr, d_ptr + r * d_stride, seed, start, r, V, K)
+    drafts = d_ptr + r * d_stride  # request r's k drafts
+    a = _kept(p_ptr, q_ptr, drafts, seed, start, r, V, K)
     for phase in tl.static_range(FIRST, LAST + 1):
         if phase == 0:
             key = _key(seed, start + 1 + a, TARGET)
@@ -242,7 +243,7 @@ def _rejection_kernel(
             last = tl.where(residual, _row_argmax(ws, SP), _row_argmax(ws + 2 * S, SP)).to(tl.int64)
             out = out_ptr + r.to(tl.int64) * (K + 2)
             for j in tl.static_range(K):  # the drafts, the draw at a
-                tl.store(out + j, tl.where(j == a, last, tl.load(d_ptr + r * d_stride + j)))
+                tl.store(out + j, tl.where(j == a, last, tl.load(drafts + j)))
             tl.store(out + K, last)  # (also where a < k: the reference's cat leaves it there)
             tl.store(out + K + 1, (a + 1).to(tl.int64))
         tl.debug_barrier()  # (what a phase stored, read by the program's other threads in the next)
