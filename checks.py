@@ -118,6 +118,16 @@ def pool_bytes(kv_cache_bytes, device):
     return 256 << 20
 
 
+def pool_pages(kv_cache_bytes, page_size, page_bytes, device, lookahead):
+    """The KV pool's pages: pool_bytes (after the weights are loaded) in pages, the fewest over the ranks (one
+    schedule for all), checked to hold a request (check_pool)."""
+    pages = torch.tensor([pool_bytes(kv_cache_bytes, device) // page_bytes], device=device)
+    if dist.is_initialized():
+        dist.all_reduce(pages, dist.ReduceOp.MIN)
+    check_pool(int(pages), page_size, lookahead)
+    return int(pages)
+
+
 def weight_bytes(cfg, model_class, ranks):
     """(bytes every rank holds whole, bytes split over the ranks) of the parameters loading allocates, from
     the layers' shapes on the meta device: split are Linear split, the vocabulary and the routed experts."""

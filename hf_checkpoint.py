@@ -362,6 +362,16 @@ def load_target(params, cfg, hf_name: str, rank, ranks):
     return params[".".join(parts)][index]
 
 
+def share_mtp_copies(model):
+    """The checkpoint stores the MTP layer's embedding and head as copies of the main model's: a loaded model
+    shares them where they are equal (one copy in memory)."""
+    for mtp in model.mtp:
+        for twin, main in ((mtp.embed, model.embed), (mtp.shared_head.head, model.head)):
+            if torch.equal(twin.weight, main.weight):
+                twin.weight = main.weight
+    return model
+
+
 # ---- The shards: the index and every header, checked against the table (no weights read) ----------------
 def shard_files(path):
     """The shard files and, with an index, its weight map {tensor: file}."""

@@ -2,7 +2,7 @@
 
 Each public op has a readable torch reference of the same name and signature in nano_nsa.py (TORCH_OPS); tests
 compare them on random inputs at the real shapes (test_nano.py, marked `gpu`). `GPU_OPS` at the end is the set
-`nano_nsa.select_ops` binds on a GPU that `unsupported()` accepts; its `capture` (CUDA graphs) alone has no
+`nano_nsa.load_model` binds on a GPU that `unsupported()` accepts; its `capture` (CUDA graphs) alone has no
 reference (and `swiglu_linear`, which `mlp` calls: w2's half of nano_nsa.mlp).
 
 Batch invariance: a row's result never depends on the other rows of its batch (docs/batch_invariance.md):
@@ -819,8 +819,8 @@ def moe(x, weights, idx, experts):
 # ---- The engine's GPU mechanics: CUDA graph capture and the read-back of a round ----
 def capture(fn, pool, inputs, what):
     """fn() captured as a CUDA graph after one eager run (which builds and autotunes its kernels) -> (the
-    graph, fn's outputs, which each replay overwrites). pool: the memory pool the graph shares (None for the
-    first: graph.pool() is then the one to share). inputs: the tensors fn reads, zeroed for the warm-up run
+    graph, fn's outputs, which each replay overwrites). pool: the memory pool the graphs share
+    (torch.cuda.graph_pool_handle()). inputs: the tensors fn reads, zeroed for the warm-up run
     (every row of a round then writes the dummy slot 0; a replay reads what is copied in later), restored
     after the capture. what: a line to stderr names the graph."""
     t0 = time.perf_counter()

@@ -31,7 +31,6 @@ from itertools import accumulate
 from types import SimpleNamespace
 
 import torch
-import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
@@ -418,8 +417,7 @@ class LayerCache:
     groups' power-of-two fp32 scales, then the rotated rope key in bf16: 512 + 16 + 128 = 656 bytes at full
     size, against 1152 for the same values in bf16; typed views of the row's bytes."""
 
-    # bytes [0, C): kv, C fp8 | [C, C * 33/32): kv_scale, C/128 fp32 | [C * 33/32, end): pe, R bf16 (full
-    # size: [0, 512) | [512, 528) | [528, 656))
+    # bytes [0, C): kv, C fp8 | [C, C * 33/32): kv_scale, C/128 fp32 | [C * 33/32, end): pe, R bf16
     latent: torch.Tensor  # [S, C + C/32 + 2R] uint8 (C + C/32 = C * 33/32): the whole MLA row
     ik: torch.Tensor  # [S, J] fp8   indexer key
     iks: torch.Tensor  # [S]    fp32  indexer key scale
@@ -736,38 +734,25 @@ def moe(x, weights, idx, experts):
     """The routed experts (the reference of the grouped MoE kernel): each a SwiGLU MLP over the tokens that
     chose it, summed with their routing weights in fp32. x [T, dim] bf16; weights, idx [T, A] (idx E: another
     rank's expert: MoE.routed); experts.w1, w3 [E, F, dim], w2 [E, dim, F] FP8 stacks -> [T, dim] fp32.
-    Grouped as the kernel: (token, choice) pairs sorted by expert, one GEMM per expert over its rows (x
-    quantized once, before the gather: per row, act_quant equals quantizing each expert's rows)."""
-    T, A = idx.shape
-    # [T, A] each token's experts ascending (summed in that order); order: where each was in idx
-    idx, order = idx.sort(-1)
-    pair = idx.flatten().argsort(stable=True)  # [P] pairs t * A + a by expert, tokens ascending in each
-    pair = pair[idx.flatten()[pair] < experts.w1.weight.shape[0]]  # (drop idx E: another rank's)
+    Grouped as the kernel: one GEMM per expert over the rows of the tokens that chose it, tokens ascending (x
+    quantized once, before the gather: per row, act_quant equals quantizing each expert's rows); the experts
+    in ascending order, so each token's outputs are summed in that order."""
+    rows = act_dequant(*act_quant(x)).to(acc_dtype(x))
     y = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
-    if len(pair) == 0:
-        return y
-    ids, counts = idx.flatten()[pair].unique_consecutive(return_counts=True)  # experts with pairs, how many
-    groups = (ids.tolist(), counts.tolist())
-    rows = act_dequant(*act_quant(x)).to(acc_dtype(x))[pair // A]  # [P, dim]: pair t * A + a reads token t
-    h = swiglu(grouped_linear(rows, experts.w1, *groups), grouped_linear(rows, experts.w3, *groups))
-    out = grouped_linear(act_dequant(*act_quant(h)).to(acc_dtype(h)), experts.w2, *groups)  # [P, dim] bf16
-    each = torch.zeros(T * A, x.shape[1], dtype=torch.float32, device=x.device)  # [T * A, dim]
-    # row t * A + a: that pair's output times its routing weight (the weights reordered as idx was)
-    each[pair] = out.float() * weights.gather(1, order).flatten()[pair, None]
-    for a in range(A):
-        y += each.view(T, A, -1)[:, a]
+    for e in idx[idx < experts.w1.weight.shape[0]].unique().tolist():  # (idx E: another rank's, skipped)
+        t, a = (idx == e).nonzero(as_tuple=True)  # the tokens that chose e, and which choice it was
+        h = swiglu(expert_linear(rows[t], experts.w1, e), expert_linear(rows[t], experts.w3, e))
+        out = expert_linear(act_dequant(*act_quant(h)).to(rows.dtype), experts.w2, e)  # [n, dim] bf16
+        y[t] += out.float() * weights[t, a, None]
     return y
 
 
-def grouped_linear(rows, linear, experts, counts):
-    """rows [P, in] (quantized, acc_dtype) sorted by expert, counts[i] of them for experts[i], each times its
-    expert's weight of the stack `linear` -> [P, out] bf16: fp8_linear's math, one GEMM per group."""
+def expert_linear(rows, linear, e):
+    """rows [n, in] (quantized, acc_dtype) times expert e's weight of the stack `linear` -> [n, out] bf16:
+    fp8_linear's math."""
     w, scales = linear.operands()
-    out = []
-    for e, part in zip(experts, rows.split(counts), strict=True):
-        w_e = w[e] if scales is None else weight_dequant(w[e], scales[e])
-        out.append(F.linear(part, w_e.to(rows.dtype)))
-    return torch.cat(out).to(BF16)
+    w_e = w[e] if scales is None else weight_dequant(w[e], scales[e])
+    return F.linear(rows, w_e.to(rows.dtype)).to(BF16)
 
 
 class MoE(nn.Module):
@@ -824,7 +809,7 @@ class MTP(nn.Module):
     def __init__(self, cfg: Config):
         super().__init__()
         self.cfg = cfg
-        self.embed = Embedding(cfg.vocab_size, cfg.dim)
+        self.embed = Embedding(cfg.vocab_size, cfg.dim)  # (it and the head: the main model's, shared at load)
         self.enorm = RMSNorm(cfg.dim, cfg.eps)
         self.hnorm = RMSNorm(cfg.dim, cfg.eps)
         self.eh_proj = Linear(2 * cfg.dim, cfg.dim, fp8=False)  # bf16, unquantized in the checkpoint
@@ -939,12 +924,6 @@ TORCH_OPS = SimpleNamespace(
 )  # (Part 2 adds the engine's ops: sample, probs_from_logits, rejection_sample, read_back)
 
 
-def select_ops(kernels, device):
-    """The kernel set for a device: 'torch' the references; 'gpu' kernels.py (an error where it cannot run);
-    'auto' kernels.py on a GPU that supports it, else the references."""
-    return checks.gpu_ops(kernels, device) or TORCH_OPS
-
-
 # ---- Tensor and expert parallelism (torchrun): each rank holds a shard of the weights ----------------------
 # Every rank runs the same schedule. Split by rank: MLA heads, dense MLP and shared expert (w1 / w3 rows, w2
 # columns), routed experts (by index range), vocabulary. Replicated: the rest, the indexer and latent KV cache
@@ -964,7 +943,9 @@ def load_model(path, device="cpu", kernels="auto", cfg=None) -> Transformer:
     from tqdm import tqdm
 
     cfg = cfg or hf_checkpoint.open_checkpoint(path, Config)
-    ops = select_ops(kernels, device)  # (kernels that cannot run here: refused before any weight is read)
+    # the kernel set: 'torch' the references, 'gpu' kernels.py, 'auto' kernels.py where they can run (kernels
+    # that cannot run here: refused before any weight is read)
+    ops = checks.gpu_ops(kernels, device) or TORCH_OPS
     with torch.device(device):  # parameters made empty (torch.empty), where they will live
         model = Transformer(cfg).eval()
     params = dict(model.named_parameters())
@@ -984,16 +965,7 @@ def load_model(path, device="cpu", kernels="auto", cfg=None) -> Transformer:
                     hf_checkpoint.check_values(target, name, file)
                     bar.update(t.numel() * t.element_size())
     del params  # (it would keep the MTP layer's copies of the embedding and head that the next line drops)
-    return share_mtp_copies(model).bind(ops)
-
-
-def share_mtp_copies(model):
-    """The MTP embedding and head are copies of the main ones in the checkpoint: share them when equal."""
-    for mtp in model.mtp:
-        for twin, main in ((mtp.embed, model.embed), (mtp.shared_head.head, model.head)):
-            if torch.equal(twin.weight, main.weight):
-                twin.weight = main.weight
-    return model
+    return hf_checkpoint.share_mtp_copies(model).bind(ops)
 
 
 # ==== Part 2: the engine ====================================================================================
@@ -1143,11 +1115,9 @@ def rejection_sample(p, q, drafts, seeds, start):
 
 
 def accept(ops, batch: Batch, logits):
-    """Speculative acceptance of every request at once, on the device: batch.tokens [B, k+1] x_L, d_1..d_k at
-    positions L..L+k (L = batch.start), batch.q [B, k, V] the drafts' distributions; logits [B, k+1, V] the
-    main model's at those rows -> (emitted [B, k+1]: the accepted drafts, then one token of the main model;
-    counts [B]: how many): rejection_sample on the rows' distributions, for every request (a greedy one is one
-    at temperature 0, its distributions one-hot: see rejection_sample)."""
+    """Speculative acceptance of every request at once, on the device: logits [B, k+1, V], the main model's at
+    the rows of batch.tokens (x_L, d_1..d_k) -> (emitted [B, k+1], counts [B]): rejection_sample on the rows'
+    distributions, for every request (a greedy one's are one-hot: see rejection_sample)."""
     p = ops.probs_from_logits(logits, batch.temperature[:, None], batch.top_p[:, None])  # [B, k+1, V]
     return ops.rejection_sample(p, batch.q, batch.tokens[:, 1:], batch.seeds, batch.start)
 
@@ -1267,10 +1237,8 @@ class PagePool:
         key = (self.changes, [id(r) for r in reqs])
         if self.last_table[0] == key:
             return self.last_table[1]
-        pages = torch.zeros(len(reqs), max(len(r.pages) for r in reqs), dtype=torch.long)
-        for b, r in enumerate(reqs):
-            pages[b, : len(r.pages)] = torch.tensor(r.pages)
-        pages = to_device(pages, self.device)
+        rows = [torch.tensor(r.pages, dtype=torch.long) for r in reqs]
+        pages = to_device(nn.utils.rnn.pad_sequence(rows, batch_first=True), self.device)  # 0s past a row's
         offsets = torch.arange(self.page_size, device=self.device)
         table = (pages[:, :, None] * self.page_size + offsets).flatten(1)
         self.last_table = (key, table)
@@ -1330,13 +1298,10 @@ class Scheduler:
         depend on what else runs. A chunk that does not fit waits for the next step."""
         chunks = []
         budget = self.max_prefill_tokens
-        step_dense = None  # whether this step's chunks attend densely: its first chunk decides
-        for r in reqs:
-            n = min(r.prompt_len - 1 - r.num_cached, self.max_prefill_tokens)
-            dense = r.num_cached + n <= self.index_topk
-            if step_dense is None:
-                step_dense = dense
-            if n > budget or dense != step_dense:
+        sizes = [min(r.prompt_len - 1 - r.num_cached, self.max_prefill_tokens) for r in reqs]
+        dense = [r.num_cached + n <= self.index_topk for r, n in zip(reqs, sizes, strict=True)]
+        for r, n, d in zip(reqs, sizes, dense, strict=True):
+            if n > budget or d != dense[0]:  # (the step's first chunk decides its attention form)
                 break
             chunks.append((r, r.num_cached, n))
             budget -= n
@@ -1458,16 +1423,16 @@ class CudaGraphs:
     named in one static buffer of ids (padding rows: row 0, their table rows all the dummy slot 0) through one
     static page table."""
 
-    def __init__(self, model, cache, state: Batch, num_draft, max_batch, max_context, page_size):
-        self.model, self.cache, self.state = model, cache, state
-        self.buckets = graph_buckets(max_batch, num_draft + 1, tp_size())
-        context = max_context + round_lookahead(num_draft) + 1  # a bound on any round's table width
+    def __init__(self, llm: LLM, max_batch, page_size):
+        self.model, self.cache, self.state = llm.model, llm.cache, llm.state
+        self.buckets = graph_buckets(max_batch, llm.num_draft + 1, tp_size())
+        context = llm.max_context + round_lookahead(llm.num_draft) + 1  # a bound on any round's table width
         self.max_width = -(-context // page_size) * page_size
-        ints = functools.partial(torch.zeros, dtype=torch.long, device=state.start.device)
+        ints = functools.partial(torch.zeros, dtype=torch.long, device=llm.device)
         self.table = ints(self.buckets[-1], self.max_width)
         self.ids = ints(self.buckets[-1])  # the round's rows of the decode state
         self.graphs = {}
-        self.memory_pool = None  # one CUDA memory pool for all of them
+        self.memory_pool = torch.cuda.graph_pool_handle()  # one CUDA memory pool for all of them
 
     def width(self, max_ctx):
         """The context bound a round runs under (the indexer's width), from the width of its table: index_topk
@@ -1485,8 +1450,7 @@ class CudaGraphs:
         key = (bs, self.width(table.shape[1]))
         self.ids[:B] = ids
         self.table[:B, : table.shape[1]] = table  # (columns past it: stale, past every row's causal length)
-        if B < bs:
-            self.ids[B:bs], self.table[B:bs, : key[1]] = 0, 0
+        self.ids[B:bs], self.table[B:bs, : key[1]] = 0, 0  # padding rows (none where B = bs)
         if key not in self.graphs:
             self.capture(key)
         graph, out = self.graphs[key]
@@ -1501,7 +1465,6 @@ class CudaGraphs:
         round_ = functools.partial(speculative_round, *tensors)
         what = f"the round for bs {bs}, contexts <= {width}"
         graph, out = self.model.ops.capture(round_, self.memory_pool, [self.ids, self.table], what)
-        self.memory_pool = self.memory_pool or graph.pool()
         self.graphs[key] = (graph, out)
 
 
@@ -1548,21 +1511,18 @@ class LLM:
         self.model = model or load_model(model_dir, self.device, kernels, self.cfg)
         self.num_draft = mtp
         self.max_context = min(max_context or self.cfg.max_seq_len, self.cfg.max_seq_len)
-        pool_bytes = checks.pool_bytes(kv_cache_bytes, self.device)  # (its default: after the weights)
-        pages = torch.tensor([pool_bytes // page_bytes], device=self.device)
-        num_pages = int(all_reduce(pages, dist.ReduceOp.MIN))  # the smallest over ranks: one schedule for all
-        checks.check_pool(num_pages, page_size, round_lookahead(mtp))
-        self.cache = KVCache(self.cfg, num_pages * page_size, self.device, mtp > 0)
+        # the pages the pool's bytes hold (its default: after the weights), the fewest over the ranks (TP: one
+        # schedule for all)
+        pages = checks.pool_pages(kv_cache_bytes, page_size, page_bytes, self.device, round_lookahead(mtp))
+        self.cache = KVCache(self.cfg, pages * page_size, self.device, mtp > 0)
         self.pool = PagePool(self.cache, page_size)
         self.scheduler = Scheduler(self.pool, max_batch, max_prefill_tokens, mtp, self.cfg.index_topk)
         # a row per running or preempted request (at most max_batch: admit stops at a preempted one), row 0
         self.state = Batch.empty(max_batch + 1, mtp, self.cfg.vocab_size, self.device)
-        self.graphs = None  # the torch references sync the host: no graphs for them
-        if cuda_graphs and self.device.type == "cuda" and self.model.ops is not TORCH_OPS:
-            args = (self.model, self.cache, self.state, mtp, max_batch, self.max_context, page_size)
-            self.graphs = CudaGraphs(*args)
+        # (the torch references sync the host: no graphs for them)
+        graphed = cuda_graphs and self.device.type == "cuda" and self.model.ops is not TORCH_OPS
+        self.graphs = CudaGraphs(self, max_batch, page_size) if graphed else None
         self.launched = None  # (requests, read back, logits) of the round launched and not applied yet
-        self.rows = (None, None)  # (requests, their rows of `state`) of the last round
         self.stats = {}
         if self.device.type == "cuda":
             self.warm_up()
@@ -1601,8 +1561,13 @@ class LLM:
         self.scheduler.preemptions = 0
         rounds = 0
         try:
-            while self.scheduler.waiting or self.scheduler.running:
-                rounds += self.step() == "decode"
+            while self.scheduler.waiting or self.scheduler.running:  # a step: schedule, run, retire
+                mode, batch = self.scheduler.schedule()
+                if mode == "prefill":
+                    self.prefill(batch)
+                elif batch:
+                    rounds += self.decode(batch)  # (False: the round in flight ended every request)
+                self.scheduler.retire()
             self.settle()  # a round launched after its requests finished: nothing to emit
         except BaseException:  # interrupted (Ctrl-C, an on_tokens that raised): no request is left behind
             self.launched = None
@@ -1611,16 +1576,6 @@ class LLM:
         seconds = time.perf_counter() - t0
         self.stats = cli.summary(reqs, seconds, rounds, self.scheduler.preemptions, self.num_draft)
         return [self.result(r, return_logits) for r in reqs]
-
-    def step(self):
-        """One engine step: schedule -> run -> retire. Returns what ran ("prefill", "decode" or "settle")."""
-        mode, batch = self.scheduler.schedule()
-        if mode == "prefill":
-            self.prefill(batch)
-        elif batch and not self.decode(batch):
-            mode = "settle"  # no round launched: the one in flight ended every request
-        self.scheduler.retire()
-        return mode
 
     def prefill(self, chunks):
         """Prompt chunks [(request, first position, length)] into the KV cache: the main model over their
@@ -1644,7 +1599,6 @@ class LLM:
             h = self.model.mtp_forward(tokens[:, 1], h, meta, self.cache)
             if done:  # x_P, the guess every draft of their first round repeats
                 guess = self.model.mtp[0].logits(h[[row for _, row in done]]).argmax(-1)[:, None]
-                guess = guess.expand(-1, self.num_draft)
         self.start([r for r, _ in done], guess)  # they decode from now on: their rows of the decode state
 
     def decode(self, reqs):
@@ -1659,9 +1613,7 @@ class LLM:
             if not reqs:
                 return False
         self.start([r for r in reqs if r.row is None])
-        if self.rows[0] != reqs:  # the batch's rows of the decode state (on the device, kept while it stays)
-            self.rows = (reqs, to_device(torch.tensor([r.row for r in reqs]), self.device))
-        ids = self.rows[1]
+        ids = to_device(torch.tensor([r.row for r in reqs]), self.device)  # their rows of the decode state
         # their page tables (with reserve_round's new pages), cut to the furthest position it may write
         table = self.pool.table(reqs)[:, : max(r.num_cached for r in reqs) + round_lookahead(self.num_draft)]
         if self.graphs:
@@ -1679,8 +1631,8 @@ class LLM:
     def start(self, reqs, drafts=None):
         """Give requests whose prompt is prefilled a row of the decode state that no live request holds
         (row 0 is padding's), and write their first round's inputs there: the last prompt token and its
-        position, how they draw, and the drafts [B, k] (LLM.prefill's guess, with its one-hot q; None: zeros,
-        for a one-token prompt, which has no prefill step)."""
+        position, how they draw, and the drafts [B, 1] (LLM.prefill's guess, for all k, with its one-hot q;
+        None: zeros, for a one-token prompt, which has no prefill step)."""
         if not reqs:
             return
         live = {r.row for r in self.scheduler.running + self.scheduler.waiting + reqs}
@@ -1693,7 +1645,7 @@ class LLM:
         how = to_device(torch.tensor([[r.temperature, r.top_p] for r in reqs]), self.device)
         s.temperature[ids], s.top_p[ids] = how.unbind(1)
         if self.num_draft:
-            drafts = torch.zeros_like(s.tokens[ids, 1:]) if drafts is None else drafts
+            drafts = torch.zeros_like(s.tokens[ids, :1]) if drafts is None else drafts  # [B, 1 or k]
             s.tokens[ids, 1:] = drafts
             s.q[ids] = F.one_hot(drafts, self.cfg.vocab_size).to(s.q.dtype)
 
