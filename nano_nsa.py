@@ -743,7 +743,7 @@ def moe(x, weights, idx, experts):
         t, a = (idx == e).nonzero(as_tuple=True)  # the tokens that chose e, and which choice it was
         h = swiglu(expert_linear(rows[t], experts.w1, e), expert_linear(rows[t], experts.w3, e))
         out = expert_linear(act_dequant(*act_quant(h)).to(rows.dtype), experts.w2, e)  # [n, dim] bf16
-        y[t] += out.float() * weights[t, a, None]
+        y.index_add_(0, t, out.float() * weights[t, a, None])  # (t repeats if a token chose e twice)
     return y
 
 
@@ -809,7 +809,8 @@ class MTP(nn.Module):
     def __init__(self, cfg: Config):
         super().__init__()
         self.cfg = cfg
-        self.embed = Embedding(cfg.vocab_size, cfg.dim)  # (it and the head: the main model's, shared at load)
+        # the embedding and the head: copies of the main model's in the checkpoint, shared at load where equal
+        self.embed = Embedding(cfg.vocab_size, cfg.dim)
         self.enorm = RMSNorm(cfg.dim, cfg.eps)
         self.hnorm = RMSNorm(cfg.dim, cfg.eps)
         self.eh_proj = Linear(2 * cfg.dim, cfg.dim, fp8=False)  # bf16, unquantized in the checkpoint

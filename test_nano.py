@@ -842,6 +842,32 @@ def test_moe_routing_and_output_match_spec(model, monkeypatch):
     assert_bf16_close(y, want_y, "MoE output")
 
 
+def test_moe_reference_sums_every_choice(model):
+    """moe (the grouped kernel's reference) against each (token, choice) alone: a token that lists an expert
+    twice gets both terms (the GPU test's one_expert_for_all case can make such rows), and another rank's
+    expert (idx E) adds nothing, whether some or all of a token's choices are."""
+    torch.manual_seed(13)
+    ex = model.layers[1].ffn.experts
+    E = ex.w1.weight.shape[0]
+    idx = torch.tensor([[1, 1, 2, 3], [E, 0, E, 5], [7, 6, 5, 4], [E, E, E, E], [2, 2, 2, 2]])
+    x = torch.randn(len(idx), model.cfg.dim).to(torch.bfloat16)
+    w = torch.rand(idx.shape) + 0.1
+
+    def expert(e, v):  # one routed expert alone, from its w1 / w3 / w2 of the stacks
+        g = m.fp8_linear(v, ex.w1.weight[e], ex.w1.scale[e]).float()
+        u = m.fp8_linear(v, ex.w3.weight[e], ex.w3.scale[e]).float()
+        return m.fp8_linear((F.silu(g) * u).to(torch.bfloat16), ex.w2.weight[e], ex.w2.scale[e])[0].float()
+
+    want = torch.zeros(len(idx), model.cfg.dim, dtype=torch.float64)
+    for t, row in enumerate(idx.tolist()):
+        for j, e in enumerate(row):
+            if e < E:
+                want[t] += expert(e, x[t : t + 1]).double() * float(w[t, j])
+    got = m.moe(x, w, idx, ex)
+    assert torch.equal(got[3], torch.zeros_like(got[3]))
+    assert_bf16_close(got, want, "MoE reference, every (token, choice)")
+
+
 def test_dense_mlp_and_shared_expert_match_spec(model):
     """The SwiGLU MLP (spec 3.4) recomputed in fp64 from the dequantized weights: w2(silu(x W1^T) * x W3^T),
     each input FP8-quantized first (fake_quant_ref), the gate and up products rounded to bf16 as the
