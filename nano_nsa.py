@@ -1424,7 +1424,7 @@ class CudaGraphs:
     named in one static buffer of ids (padding rows: row 0, their table rows all the dummy slot 0) through one
     static page table."""
 
-    def __init__(self, llm: LLM, max_batch, page_size):
+    def __init__(self, llm, max_batch, page_size):  # (llm: the engine, next section, whose state they read)
         self.model, self.cache, self.state = llm.model, llm.cache, llm.state
         self.buckets = graph_buckets(max_batch, llm.num_draft + 1, tp_size())
         context = llm.max_context + round_lookahead(llm.num_draft) + 1  # a bound on any round's table width
