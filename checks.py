@@ -10,6 +10,8 @@ from numbers import Integral, Real
 import torch
 import torch.distributed as dist
 
+from parallel import all_reduce, tp_size
+
 
 def require(ok, message):
     if not ok:
@@ -122,10 +124,9 @@ def pool_pages(kv_cache_bytes, page_size, page_bytes, device, lookahead):
     """The KV pool's pages: pool_bytes (after the weights are loaded) in pages, the fewest over the ranks (one
     schedule for all), checked to hold a request (check_pool)."""
     pages = torch.tensor([pool_bytes(kv_cache_bytes, device) // page_bytes], device=device)
-    if dist.is_initialized():
-        dist.all_reduce(pages, dist.ReduceOp.MIN)
-    check_pool(int(pages), page_size, lookahead)
-    return int(pages)
+    pages = int(all_reduce(pages, dist.ReduceOp.MIN))
+    check_pool(pages, page_size, lookahead)
+    return pages
 
 
 def weight_bytes(cfg, model_class, ranks):
@@ -163,7 +164,7 @@ def check_fits(cfg, device, model_class, kv_bytes_per_token):
     this device's free memory (GPU) or the available RAM (CPU), saying what would fit (at how many ranks)."""
     from hf_checkpoint import tp_ok  # (it imports this module)
 
-    ranks = dist.get_world_size() if dist.is_initialized() else 1
+    ranks = tp_size()
     if device.type == "cuda":
         free = torch.cuda.mem_get_info(device)[0]
         where = f"{torch.cuda.get_device_name(device)} has {free / 1e9:.1f} GB free"
@@ -260,9 +261,7 @@ def prompt_seeds(seed, n, device):
     a fresh one, the same on every rank."""
     if seed is None:
         fresh = torch.tensor([int.from_bytes(os.urandom(6), "little")], device=device)
-        if dist.is_initialized() and dist.get_world_size() > 1:  # (as parallel.all_reduce)
-            dist.all_reduce(fresh, dist.ReduceOp.MAX)
-        seed = int(fresh)
+        seed = int(all_reduce(fresh, dist.ReduceOp.MAX))
     seeds = seed if isinstance(seed, (list, tuple)) else [int(seed) + i for i in range(n)]
     return [int(s) % 2**63 for s in seeds]  # (int: numpy integers pass the check, and would overflow here)
 
