@@ -2,7 +2,7 @@
 
 Each public op has a readable torch reference of the same name and signature in nano_nsa.py (TORCH_OPS); tests
 compare them on random inputs at the real shapes (test_nano.py, marked `gpu`). `GPU_OPS` at the end is the set
-`nano_nsa.load_model` binds on a GPU that `unsupported()` accepts; its `capture` (CUDA graphs) alone has no
+`nano_nsa.select_ops` binds on a GPU that `unsupported()` accepts; its `capture` (CUDA graphs) alone has no
 reference (and `swiglu_linear`, which `mlp` calls: w2's half of nano_nsa.mlp).
 
 Batch invariance: a row's result never depends on the other rows of its batch (docs/batch_invariance.md):

@@ -925,6 +925,12 @@ TORCH_OPS = SimpleNamespace(
 )  # (Part 2 adds the engine's ops: sample, probs_from_logits, rejection_sample, read_back)
 
 
+def select_ops(kernels, device):
+    """The kernel set for a device: 'torch' the references; 'gpu' kernels.py (an error where it cannot run);
+    'auto' kernels.py on a GPU that supports it, else the references."""
+    return checks.gpu_ops(kernels, device) or TORCH_OPS
+
+
 # ---- Tensor and expert parallelism (torchrun): each rank holds a shard of the weights ----------------------
 # Every rank runs the same schedule. Split by rank: MLA heads, dense MLP and shared expert (w1 / w3 rows, w2
 # columns), routed experts (by index range), vocabulary. Replicated: the rest, the indexer and latent KV cache
@@ -944,9 +950,7 @@ def load_model(path, device="cpu", kernels="auto", cfg=None) -> Transformer:
     from tqdm import tqdm
 
     cfg = cfg or hf_checkpoint.open_checkpoint(path, Config)
-    # the kernel set: 'torch' the references, 'gpu' kernels.py, 'auto' kernels.py where they can run (kernels
-    # that cannot run here: refused before any weight is read)
-    ops = checks.gpu_ops(kernels, device) or TORCH_OPS
+    ops = select_ops(kernels, device)  # (kernels that cannot run here: refused before any weight is read)
     with torch.device(device):  # parameters made empty (torch.empty), where they will live
         model = Transformer(cfg).eval()
     params = dict(model.named_parameters())

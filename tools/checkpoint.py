@@ -19,8 +19,7 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-import checks  # noqa: E402  (the engine's files sit one folder up)
-import hf_checkpoint as hf  # noqa: E402
+import hf_checkpoint as hf  # noqa: E402  (the engine's files sit one folder up)
 import nano_nsa as m  # noqa: E402
 
 
@@ -188,7 +187,7 @@ def random_model(cfg: m.Config, device, seed=0, kernels="auto") -> m.Transformer
         for entry, t in checkpoint_entries(name, kind, w):
             target = hf.load_target(params, cfg, entry, *rank)
             target.copy_(t[m.rank_slice(t.shape, target.shape)])  # this rank's slice: the whole at one rank
-    return hf.share_mtp_copies(model).bind(checks.gpu_ops(kernels, device) or m.TORCH_OPS)
+    return hf.share_mtp_copies(model).bind(m.select_ops(kernels, device))
 
 
 def save_sparse_checkpoint(path, config: m.Config, shard_bytes: int = 5 << 30):
