@@ -525,6 +525,29 @@ def _rotate(x1, x2, cos, sin, FIRST: tl.constexpr):
 
 
 @triton.jit
+def _rope_cos_sin_kernel(pos_ptr, freqs_ptr, cos_ptr, sin_ptr, T, HALF: tl.constexpr, BLOCK_T: tl.constexpr):
+    """Rows [BLOCK_T] of theta = fp32(position) * f'_i, then its cos and sin: libdevice's, as torch's."""
+    t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    i = tl.arange(0, HALF)
+    theta = (
+        tl.load(pos_ptr + t, mask=t < T, other=0).to(tl.float32)[:, None] * tl.load(freqs_ptr + i)[None, :]
+    )
+    out = t[:, None].to(tl.int64) * HALF + i[None, :]
+    tl.store(cos_ptr + out, libdevice.cos(theta), mask=(t < T)[:, None])
+    tl.store(sin_ptr + out, libdevice.sin(theta), mask=(t < T)[:, None])
+
+
+def rope_cos_sin(freqs, positions):
+    """Kernel of nano_nsa.rope_cos_sin: both in one launch (torch: four), the same bits."""
+    T, half = positions.shape[0], freqs.shape[0]
+    cos, sin = torch.empty(2, T, half, dtype=torch.float32, device=positions.device)
+    if T:
+        grid = (triton.cdiv(T, 16),)
+        _rope_cos_sin_kernel[grid](positions, freqs, cos, sin, T, HALF=half, BLOCK_T=16, num_warps=1)
+    return cos, sin
+
+
+@triton.jit
 def _rope_kernel(
     x_ptr,
     cos_ptr,
@@ -844,6 +867,30 @@ def capture(fn, pool, inputs, what):
     return graph, out
 
 
+@triton.jit
+def _decode_rows_kernel(start_ptr, table_ptr, pos_ptr, req_ptr, slot_ptr, T, table_stride, N: tl.constexpr):
+    """Rows [128] of decode_rows: row r is request r // N's, at position start[r // N] + r % N."""
+    r = tl.program_id(0) * 128 + tl.arange(0, 128)
+    mask = r < T
+    b = (r // N).to(tl.int64)
+    p = tl.load(start_ptr + b, mask=mask, other=0) + r % N
+    tl.store(pos_ptr + r, p, mask=mask)
+    tl.store(req_ptr + r, b, mask=mask)
+    tl.store(slot_ptr + r, tl.load(table_ptr + b * table_stride + p, mask=mask, other=0), mask=mask)
+
+
+def decode_rows(start, n, table):
+    """Kernel of nano_nsa.decode_rows: one launch (torch: six)."""
+    assert table.stride(1) == 1 and start.is_contiguous()
+    T = len(start) * n
+    positions, rows, slots = torch.empty(3, T, dtype=torch.long, device=start.device)
+    if T:
+        _decode_rows_kernel[(triton.cdiv(T, 128),)](
+            start, table, positions, rows, slots, T, table.stride(0), N=n
+        )
+    return positions, rows, slots
+
+
 def read_back(x):
     """Kernel of nano_nsa.read_back: start copying x to pinned host memory -> a function that waits for that
     copy (an event: work queued after it need not finish) and returns x.tolist()."""
@@ -874,6 +921,7 @@ GPU_OPS = SimpleNamespace(
     sparse_mla=sparse_mla,
     dense_attention=dense_attention,
     head_linear=head_linear,
+    rope_cos_sin=rope_cos_sin,
     rope=rope,
     store_latent=store_latent,
     rms_norm=rms_norm,
@@ -888,6 +936,7 @@ GPU_OPS = SimpleNamespace(
     sample=sample,
     probs_from_logits=probs_from_logits,
     rejection_sample=rejection_sample,
+    decode_rows=decode_rows,
     read_back=read_back,
     capture=capture,
     attn_dtype=bf16_dtype,

@@ -293,9 +293,6 @@ class Embedding(nn.Module):
         return all_reduce(F.embedding(local.clamp(0, rows - 1), self.weight) * mine[..., None])
 
 
-_FREQS = {}  # yarn_frequencies' f'_i on each device, by the rope fields of the config
-
-
 def yarn_frequencies(cfg: Config):
     """f'_i, the YaRN-corrected inverse frequencies (spec 3.5): low dims unchanged, high dims / rope_factor, a
     linear ramp between the dims that turn beta_fast and beta_slow times over original_seq_len."""
@@ -313,14 +310,10 @@ def yarn_frequencies(cfg: Config):
     return freqs / cfg.rope_factor * (1 - smooth) + freqs * smooth
 
 
-def rope_cos_sin(cfg: Config, positions: torch.Tensor):
-    """cos/sin of theta[t, i] = fp32(t) * f'_i, each [T, R/2] fp32: once per pass, by the model. (YaRN's
-    mscale goes into the softmax scale.)"""
-    key = (cfg.qk_rope_head_dim, cfg.rope_theta, cfg.rope_factor, cfg.original_seq_len, cfg.beta_fast)
-    key += (cfg.beta_slow, positions.device)  # (the fields yarn_frequencies reads)
-    if key not in _FREQS:  # once per device: a CUDA graph cannot copy from the host
-        _FREQS[key] = yarn_frequencies(cfg).to(positions.device)
-    theta = positions.float()[:, None] * _FREQS[key][None, :]
+def rope_cos_sin(freqs: torch.Tensor, positions: torch.Tensor):
+    """cos/sin of theta[t, i] = fp32(t) * f'_i (freqs: yarn_frequencies, on the device), each [T, R/2] fp32:
+    once per pass, by the model (the op rope_cos_sin). (YaRN's mscale goes into the softmax scale.)"""
+    theta = positions[:, None] * freqs  # (int64 times fp32: in fp32)
     return theta.cos(), theta.sin()
 
 
@@ -371,10 +364,9 @@ def to_device(x: torch.Tensor, device) -> torch.Tensor:
 @dataclass
 class Meta:
     """What a forward pass knows of its rows, built once, shared by every layer: by Meta.build (a prefill
-    step); for Part 2's speculative decoding (the MTP layer drafts k tokens, one pass of k+1 rows checks them)
-    by speculative_round (verify rows; draft-extend reuses them) and draft (each draft step). mode 'prefill':
-    rows are prompt chunks; 'decode': each row is a query of its own (a decode, verify or draft row) with its
-    own position, and so its own causal length."""
+    step) or Meta.decode (Part 2's speculative decoding: the MTP layer drafts k tokens, one pass of k+1 rows
+    checks them). mode 'prefill': rows are prompt chunks; 'decode': each row is a query of its own (a decode,
+    verify or draft row) with its own position, and so its own causal length."""
 
     mode: str
     positions: torch.Tensor  # [T] absolute position of each row's token
@@ -405,8 +397,24 @@ class Meta:
         pos, row_req = to_device(torch.tensor([positions, row_req]), table.device)  # one copy
         return cls(mode, pos, row_req, table[:, : max(positions) + 1], list(accumulate(lens, initial=0)))
 
+    @classmethod
+    def decode(cls, ops, start, n, table):
+        """Request b's rows at positions start[b] .. start[b] + n - 1 (start [B] on the device): a verify's x_L,
+        d_1..d_k (n = k+1; draft-extend reuses them) or a draft step's token (n = 1). Each is a decode row of
+        its own: its causal length is its position + 1 (the indexer masks the rest: topk_positions)."""
+        positions, rows, slots = ops.decode_rows(start, n, table)
+        return cls("decode", positions, rows, table, list(range(0, len(positions) + 1, n)), slots)
+
     def request_rows(self):
         return [slice(a, b) for a, b in zip(self.cu_seqlens[:-1], self.cu_seqlens[1:], strict=True)]
+
+
+def decode_rows(start, n, table):
+    """Meta.decode's rows (the op: one launch on a GPU): start [B], table [B, W] -> (positions, row_req,
+    slots) [B*n] each."""
+    positions = (start[:, None] + torch.arange(n, device=start.device)).flatten()
+    rows = torch.arange(len(start), device=start.device).repeat_interleave(n)
+    return positions, rows, table[rows, positions]
 
 
 @dataclass
@@ -808,7 +816,6 @@ class MTP(nn.Module):
 
     def __init__(self, cfg: Config):
         super().__init__()
-        self.cfg = cfg
         # the embedding and the head: copies of the main model's in the checkpoint, shared at load where equal
         self.embed = Embedding(cfg.vocab_size, cfg.dim)
         self.enorm = RMSNorm(cfg.dim, cfg.eps)
@@ -819,10 +826,9 @@ class MTP(nn.Module):
         self.shared_head.norm = RMSNorm(cfg.dim, cfg.eps)
         self.shared_head.head = Linear(cfg.dim, cfg.vocab_size, fp8=False, dtype=torch.float32, split="col")
 
-    def forward(self, next_tokens, h, meta: Meta, cache: LayerCache):
+    def forward(self, next_tokens, h, cos, sin, meta: Meta, cache: LayerCache):
         """next_tokens [T] (t_{i+1}), h [T, dim] main hidden at i after the final norm -> normed hidden [T,
         dim]. (vLLM zeroes the embedding at position 0; SGLang and this engine do not.)"""
-        cos, sin = rope_cos_sin(self.cfg, meta.positions)
         u = self.eh_proj(torch.cat([self.enorm(self.embed(next_tokens)), self.hnorm(h)], -1)).to(BF16)
         # a residual stream of its own, starting at -0.0 (as Transformer.forward's)
         x, residual = self.block(u, torch.full_like(u, -0.0), cos, sin, meta, cache)
@@ -855,12 +861,13 @@ class Transformer(nn.Module):
                 mod.w_uk = w[:, :D].transpose(1, 2).contiguous()
                 mod.w_uv = w[:, D:].contiguous()
         ops.prepare(self)  # the references dequantize weights; the kernels stack the ones one GEMM reads
+        self.freqs = yarn_frequencies(self.cfg).to(self.norm.weight.device)  # RoPE's f'_i (rope_cos_sin)
         return self
 
     @torch.inference_mode()
     def forward(self, tokens, meta: Meta, cache: KVCache):
         """tokens [T] -> hidden [T, dim] bf16 after the final norm (the lm_head's input, and MTP's)."""
-        cos, sin = rope_cos_sin(self.cfg, meta.positions)
+        cos, sin = self.ops.rope_cos_sin(self.freqs, meta.positions)
         h = self.embed(tokens)
         residual = torch.full_like(h, -0.0)  # the residual stream: x + (-0.0) is x bit for bit, -0.0 too
         for i, layer in enumerate(self.layers):
@@ -874,7 +881,8 @@ class Transformer(nn.Module):
     def mtp_forward(self, next_tokens, h, meta: Meta, cache: KVCache):
         """The first MTP layer: it makes every draft, chained (DeepSeek-V3.2 has one; a checkpoint with more
         loads them unused, as a later layer would need its own KV of the prompt)."""
-        return self.mtp[0](next_tokens, h, meta, cache.layer(self.cfg.n_layers))
+        cos, sin = self.ops.rope_cos_sin(self.freqs, meta.positions)
+        return self.mtp[0](next_tokens, h, cos, sin, meta, cache.layer(self.cfg.n_layers))
 
 
 # ---- The kernel boundary: the few names through which the GPU path plugs in --------------------------------
@@ -910,6 +918,7 @@ TORCH_OPS = SimpleNamespace(
     sparse_mla=sparse_mla,  # absorbed sparse attention, one row per token   (MLA: decode/verify/long)
     dense_attention=dense_attention,  # causal per-head attention of short prompts  (MLA: prefill)
     head_linear=head_linear,  # one linear map per head: W_UK, W_UV absorbed  (MLA: sparse rows)
+    rope_cos_sin=rope_cos_sin,  # RoPE's angles, once per pass               (Transformer)
     rope=rope,  # rotary embedding of MLA's queries                            (MLA)
     store_latent=store_latent,  # MLA's cache write: norm, FP8 round trip, rope  (MLA)
     linears=linears,  # several Linears of one input (GPU: one GEMM)         (MLA)
@@ -920,6 +929,7 @@ TORCH_OPS = SimpleNamespace(
     route=route,  # the router after its product: group-limited top-k, weights (Gate)
     moe=moe,  # routed experts, grouped, weighted sum                (MoE)
     side_by_side=side_by_side,  # independent parts of a layer: GPU, streams (MLA, Indexer, MoE)
+    decode_rows=decode_rows,  # a round's decode rows: positions, requests, slots  (Meta.decode)
     prepare=dequantize_weights,  # the weights as the ops read them, once at load (Transformer.bind)
     attn_dtype=acc_dtype,  # storage dtype of W_UK, W_UV, not attention's (kernels.py: bf16, exact)
 )  # (Part 2 adds the engine's ops: sample, probs_from_logits, rejection_sample, read_back)
@@ -1361,16 +1371,13 @@ def speculative_round(model, cache, state: Batch, ids, table):
     batch = state.take(ids)
     B, n = batch.tokens.shape
     dev = batch.tokens.device
-    offsets = torch.arange(n, device=dev)
-    positions = (batch.start[:, None] + offsets).flatten()  # [B*(k+1)]: L..L+k
-    rows = torch.arange(B, device=dev).repeat_interleave(n)
-    meta = Meta("decode", positions, rows, table, list(range(0, B * n + 1, n)))
+    meta = Meta.decode(model.ops, batch.start, n, table)  # [B*(k+1)] rows at positions L..L+k
     h = model(batch.tokens.flatten(), meta, cache)  # 1. verify
     logits = model.logits(h).view(B, n, -1)
     emitted, counts = accept(model.ops, batch, logits)  # 2. accept
     next_tokens = emitted  # (k = 0: the one token emitted)
     if n > 1:  # 3. draft-extend: the same rows, their positions and lengths as they are
-        kept = (offsets < counts[:, None]).flatten()  # [B*(k+1)] the rows whose x was emitted
+        kept = (torch.arange(n, device=dev) < counts[:, None]).flatten()  # [B*(k+1)] rows whose x was emitted
         extend = replace(meta, slots=meta.slots * kept)
         h = model.mtp_forward(emitted.flatten() * kept, h, extend, cache)
         h = h[torch.arange(B, device=dev) * n + counts - 1]  # each request's last emitted row
@@ -1389,12 +1396,10 @@ def draft(model, cache, h, start, batch, table):
     - 1 (start [B]: L', the next round's, not batch.start; its hidden state h [B, dim]), then k-1 chained MTP
     decode steps at positions start, start + 1, ... -> (drafts [B, k], the distributions q [B, k, vocab] they
     were drawn from: one-hot on the argmax for a greedy request)."""
-    B, k = len(start), batch.tokens.shape[1] - 1
-    rows = torch.arange(B, device=start.device)
     tokens, dists = [], []
-    for step in range(k):
+    for step in range(batch.tokens.shape[1] - 1):
         if step:
-            meta = Meta("decode", start + (step - 1), rows, table, list(range(B + 1)))
+            meta = Meta.decode(model.ops, start + (step - 1), 1, table)
             h = model.mtp_forward(tokens[-1], h, meta, cache)
         logits = model.mtp[0].logits(h)  # [B, V]; d_{step+1} is the token at position start + step + 1
         dists.append(model.ops.probs_from_logits(logits, batch.temperature, batch.top_p))

@@ -73,6 +73,11 @@ def sylvester(n):
     return h
 
 
+def cos_sin(cfg, positions):
+    """RoPE's cos and sin at positions for cfg's frequencies (a model holds them: Transformer.bind)."""
+    return m.rope_cos_sin(m.yarn_frequencies(cfg).to(positions.device), positions)
+
+
 def yarn_ref(cfg):
     """The YaRN frequencies f'_i, in the fp32 steps of the reference `precompute_freqs_cis` (spec 3.5)."""
     d = cfg.qk_rope_head_dim
@@ -484,7 +489,7 @@ def test_hadamard_and_rope_match_references():
     assert torch.equal(m.hadamard(x), (x.double() @ sylvester(128) / math.sqrt(128)).to(torch.bfloat16))
     cfg = m.Config.tiny()
     pos = torch.randint(0, 100000, (5,))
-    cos, sin = m.rope_cos_sin(cfg, pos)
+    cos, sin = cos_sin(cfg, pos)
     y = torch.randn(5, 3, 64).to(torch.bfloat16)
     for inter in (True, False):
         got, want = m.rope(y, cos, sin, interleaved=inter), rope_ref(y, pos, cfg, interleaved=inter)
@@ -494,7 +499,7 @@ def test_hadamard_and_rope_match_references():
     for cfg in (m.Config.full(), m.Config.tiny(beta_fast=24.0, rope_factor=8.0)):
         assert torch.equal(m.yarn_frequencies(cfg), yarn_ref(cfg))
         theta = torch.outer(torch.arange(20000, dtype=torch.float32), yarn_ref(cfg))
-        assert torch.equal(m.rope_cos_sin(cfg, torch.arange(20000))[0], theta.cos())
+        assert torch.equal(cos_sin(cfg, torch.arange(20000))[0], theta.cos())
 
 
 # ------------------------------------------------------------------------------------------------------------
@@ -775,7 +780,7 @@ def test_mtp_layer_matches_spec(model):
         @ mtp.eh_proj.weight.double().T
     ).to(torch.bfloat16)
     cache2 = m.KVCache(cfg, 512)
-    cos, sin = m.rope_cos_sin(cfg, meta.positions)
+    cos, sin = cos_sin(cfg, meta.positions)
     # x: the FFN half's unrounded sum; the residual stream starts at -0.0, as the engine's
     x, res = mtp.block(u, torch.full_like(u, -0.0), cos, sin, meta, cache2.layer(cfg.n_layers))
     want_h = rms_norm_ref(x.to(torch.bfloat16).float() + res.float(), mtp.shared_head.norm.weight, cfg.eps)
@@ -2041,7 +2046,7 @@ def _batch_op_rowwise(op, batch, gen, cfg):
         return lambda n: torch.cat([t.float().flatten(1) for t in kernels.act_quant(x[:n])], 1)
     if op == "index_quant_q":  # the indexer's queries (64 heads)
         x = rows(64, 128)
-        cos, sin = m.rope_cos_sin(cfg, torch.randint(0, 100000, (batch,), device="cuda", generator=gen))
+        cos, sin = cos_sin(cfg, torch.randint(0, 100000, (batch,), device="cuda", generator=gen))
         return lambda n: torch.cat(
             [t.float().flatten(1) for t in kernels.index_quant(x[:n], cos[:n], sin[:n])], 1
         )
@@ -2049,7 +2054,7 @@ def _batch_op_rowwise(op, batch, gen, cfg):
         x = rows(128, scale=3.0)
         norm_weight = torch.rand(128, device="cuda", generator=gen) + 0.5
         norm_bias = torch.randn(128, device="cuda", generator=gen) * 0.1
-        cos, sin = m.rope_cos_sin(cfg, torch.randint(0, 100000, (batch,), device="cuda", generator=gen))
+        cos, sin = cos_sin(cfg, torch.randint(0, 100000, (batch,), device="cuda", generator=gen))
         cache = m.LayerCache(
             None, torch.zeros(batch, 128, dtype=m.FP8, device="cuda"), torch.zeros(batch, device="cuda"), 0
         )
@@ -2062,7 +2067,7 @@ def _batch_op_rowwise(op, batch, gen, cfg):
         return keys
     if op == "rope_q":  # MLA's query rotation, on the strided q_pe view of q_b's output
         q = rows(128, 192)[..., 128:]
-        cos, sin = m.rope_cos_sin(cfg, torch.randint(0, 100000, (batch,), device="cuda", generator=gen))
+        cos, sin = cos_sin(cfg, torch.randint(0, 100000, (batch,), device="cuda", generator=gen))
         return lambda n: kernels.rope(q[:n], cos[:n], sin[:n], interleaved=True).flatten(1)
     if op == "route":  # the router after its product
         logits = torch.randn(batch, 256, device="cuda", generator=gen)
@@ -2489,7 +2494,7 @@ def test_gpu_index_quant_kernel_matches_reference(heads):
     gen = torch.Generator("cuda").manual_seed(3 + heads)
     shape = (300, heads, 128) if heads else (300, 128)
     x = (torch.randn(*shape, device="cuda", generator=gen) * 3).to(m.BF16)
-    cos, sin = m.rope_cos_sin(m.Config(), torch.randint(0, 100000, (300,), device="cuda", generator=gen))
+    cos, sin = cos_sin(m.Config(), torch.randint(0, 100000, (300,), device="cuda", generator=gen))
     q, s = kernels.index_quant(x, cos, sin)
     q_ref, s_ref = m.index_quant(x, cos, sin)
     assert q.shape == q_ref.shape and s.shape == s_ref.shape
@@ -2510,7 +2515,7 @@ def test_gpu_store_index_key_matches_reference(T):
     k = (torch.randn(T, 128, device="cuda", generator=gen) * 3 + 1).to(m.BF16)
     norm_weight = torch.rand(128, device="cuda", generator=gen) + 0.5
     norm_bias = torch.randn(128, device="cuda", generator=gen) * 0.1
-    cos, sin = m.rope_cos_sin(m.Config(), torch.randint(0, 160000, (T,), device="cuda", generator=gen))
+    cos, sin = cos_sin(m.Config(), torch.randint(0, 160000, (T,), device="cuda", generator=gen))
     S = 2 * T + 8
     slots = torch.randperm(S, device="cuda", generator=gen)[:T]
     ik = (torch.randn(S, 128, device="cuda", generator=gen) * 8).to(m.FP8)
@@ -2537,11 +2542,32 @@ def test_gpu_rope_matches_reference(T, H, interleaved):
 
     gen = torch.Generator("cuda").manual_seed(T + H)
     x = (torch.randn(T, H, 192, device="cuda", generator=gen) * 4).to(m.BF16)[..., 128:]
-    cos, sin = m.rope_cos_sin(m.Config(), torch.randint(0, 160000, (T,), device="cuda", generator=gen))
+    cos, sin = cos_sin(m.Config(), torch.randint(0, 160000, (T,), device="cuda", generator=gen))
     got, want = kernels.rope(x, cos, sin, interleaved).float(), m.rope(x, cos, sin, interleaved).float()
     assert got.shape == want.shape
     assert ((got - want).abs() <= 2**-7 * want.abs()).all()
     print(f"rope T={T} H={H}: {(got != want).float().mean().item():.2e} of values one bf16 step apart")
+
+
+@gpu
+def test_gpu_round_metadata_kernels_equal_references():
+    """decode_rows (Meta.decode's positions, requests and slots) and rope_cos_sin (RoPE's angles), one launch
+    each, bit for bit the references' (torch's cos and sin are libdevice's too): random starts read through a
+    strided page table, every position the 671B model allows and a few past it, and no rows at all."""
+    import kernels
+
+    gen = torch.Generator("cuda").manual_seed(5)
+    for B, n in ((1, 1), (3, 4), (64, 4), (200, 1), (0, 2)):
+        start = torch.randint(0, 900, (B,), device="cuda", generator=gen)
+        table = torch.randint(1, 10**6, (B, 1061), device="cuda", generator=gen)[:, :1000]
+        want, got = m.decode_rows(start, n, table), kernels.decode_rows(start, n, table)
+        assert all(torch.equal(w, g) for w, g in zip(want, got, strict=True)), (B, n)
+    for cfg in (m.Config(), m.Config.tiny(beta_fast=24.0, rope_factor=8.0)):
+        freqs = m.yarn_frequencies(cfg).cuda()
+        every = torch.arange(cfg.max_seq_len + 64, device="cuda")
+        for pos in (every, torch.randint(0, 10**6, (77,), device="cuda", generator=gen), every[:0]):
+            want, got = m.rope_cos_sin(freqs, pos), kernels.rope_cos_sin(freqs, pos)
+            assert all(torch.equal(w, g) for w, g in zip(want, got, strict=True)), len(pos)
 
 
 @gpu
@@ -2559,7 +2585,7 @@ def test_gpu_store_latent_matches_reference(T, C):
     kv_a = (torch.randn(T, C + R, device="cuda", generator=gen) * 2).to(m.BF16)
     kv, k_pe = kv_a.split([C, R], -1)
     weight = torch.rand(C, device="cuda", generator=gen) + 0.5
-    cos, sin = m.rope_cos_sin(m.Config(), torch.randint(0, 160000, (T,), device="cuda", generator=gen))
+    cos, sin = cos_sin(m.Config(), torch.randint(0, 160000, (T,), device="cuda", generator=gen))
     slots = torch.randperm(2 * T + 8, device="cuda", generator=gen)[:T]
     pools = [_random_latents(2 * T + 8, C, gen, R) for _ in range(2)]
     pools[1].copy_(pools[0])

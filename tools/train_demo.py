@@ -358,7 +358,7 @@ class Model(nn.Module):
         hidden state: the main model's at p for d = 0, depth d-1's output at p - 1 after (as the engine's
         draft steps chain)."""
         c, S = self.c, x.shape[1]
-        cos, sin = m.rope_cos_sin(c, torch.arange(S, device=x.device))
+        cos, sin = m.rope_cos_sin(m.yarn_frequencies(c).to(x.device), torch.arange(S, device=x.device))
         h, kl = self.model.embed_tokens(x), 0.0
         for layer in self.model.layers[:-1]:
             h, k = layer(h, cos, sin, sparse)
