@@ -868,27 +868,26 @@ def capture(fn, pool, inputs, what):
 
 
 @triton.jit
-def _decode_rows_kernel(start_ptr, table_ptr, pos_ptr, req_ptr, slot_ptr, T, table_stride, N: tl.constexpr):
-    """Rows [128] of decode_rows: row r is request r // N's, at position start[r // N] + r % N."""
+def _decode_rows_kernel(start_ptr, table_ptr, out_ptr, T, table_stride, N: tl.constexpr):
+    """Rows [128] of decode_rows: row r is request r // N's, at position start[r // N] + r % N; out [4, T]."""
     r = tl.program_id(0) * 128 + tl.arange(0, 128)
     mask = r < T
     b = (r // N).to(tl.int64)
     p = tl.load(start_ptr + b, mask=mask, other=0) + r % N
-    tl.store(pos_ptr + r, p, mask=mask)
-    tl.store(req_ptr + r, b, mask=mask)
-    tl.store(slot_ptr + r, tl.load(table_ptr + b * table_stride + p, mask=mask, other=0), mask=mask)
+    tl.store(out_ptr + r, p, mask=mask)
+    tl.store(out_ptr + T + r, b, mask=mask)
+    tl.store(out_ptr + 2 * T + r, tl.load(table_ptr + b * table_stride + p, mask=mask, other=0), mask=mask)
+    tl.store(out_ptr + 3 * T + r, p + 1, mask=mask)
 
 
 def decode_rows(start, n, table):
-    """Kernel of nano_nsa.decode_rows: one launch (torch: six)."""
+    """Kernel of nano_nsa.decode_rows: one launch (torch: seven)."""
     assert table.stride(1) == 1 and start.is_contiguous()
     T = len(start) * n
-    positions, rows, slots = torch.empty(3, T, dtype=torch.long, device=start.device)
+    out = torch.empty(4, T, dtype=torch.long, device=start.device)
     if T:
-        _decode_rows_kernel[(triton.cdiv(T, 128),)](
-            start, table, positions, rows, slots, T, table.stride(0), N=n
-        )
-    return positions, rows, slots
+        _decode_rows_kernel[(triton.cdiv(T, 128),)](start, table, out, T, table.stride(0), N=n)
+    return out.unbind()
 
 
 def read_back(x):

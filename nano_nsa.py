@@ -375,10 +375,11 @@ class Meta:
     cu_seqlens: list  # [B + 1] host: row offsets of each request
     slots: torch.Tensor = None  # [T] slot each row's token is written to (default: its position's; draft-
     # extend's rows past what a request emitted write the dummy slot 0: PagePool)
-    ctx_lens: torch.Tensor = field(init=False)  # [T] each row's causal length: position + 1
+    ctx_lens: torch.Tensor = None  # [T] each row's causal length: position + 1 (default: computed)
 
     def __post_init__(self):
-        self.ctx_lens = self.positions + 1
+        if self.ctx_lens is None:
+            self.ctx_lens = self.positions + 1
         if self.slots is None:
             self.slots = self.table[self.row_req, self.positions]
 
@@ -399,11 +400,11 @@ class Meta:
 
     @classmethod
     def decode(cls, ops, start, n, table):
-        """Request b's rows at positions start[b] .. start[b] + n - 1 (start [B] on the device): a verify's x_L,
-        d_1..d_k (n = k+1; draft-extend reuses them) or a draft step's token (n = 1). Each is a decode row of
-        its own: its causal length is its position + 1 (the indexer masks the rest: topk_positions)."""
-        positions, rows, slots = ops.decode_rows(start, n, table)
-        return cls("decode", positions, rows, table, list(range(0, len(positions) + 1, n)), slots)
+        """Request b's rows at positions start[b] .. start[b] + n - 1 (start [B], on the device): a verify's
+        x_L, d_1..d_k (n = k+1; draft-extend reuses them) or a draft step's token (n = 1). Each is a decode
+        row of its own: its causal length is its position + 1 (the indexer masks the rest: topk_positions)."""
+        positions, rows, slots, ctx_lens = ops.decode_rows(start, n, table)
+        return cls("decode", positions, rows, table, list(range(0, len(positions) + 1, n)), slots, ctx_lens)
 
     def request_rows(self):
         return [slice(a, b) for a, b in zip(self.cu_seqlens[:-1], self.cu_seqlens[1:], strict=True)]
@@ -411,10 +412,10 @@ class Meta:
 
 def decode_rows(start, n, table):
     """Meta.decode's rows (the op: one launch on a GPU): start [B], table [B, W] -> (positions, row_req,
-    slots) [B*n] each."""
+    slots, ctx_lens) [B*n] each."""
     positions = (start[:, None] + torch.arange(n, device=start.device)).flatten()
     rows = torch.arange(len(start), device=start.device).repeat_interleave(n)
-    return positions, rows, table[rows, positions]
+    return positions, rows, table[rows, positions], positions + 1
 
 
 @dataclass
@@ -1380,14 +1381,15 @@ def speculative_round(model, cache, state: Batch, ids, table):
         kept = (torch.arange(n, device=dev) < counts[:, None]).flatten()  # [B*(k+1)] rows whose x was emitted
         extend = replace(meta, slots=meta.slots * kept)
         h = model.mtp_forward(emitted.flatten() * kept, h, extend, cache)
-        h = h[torch.arange(B, device=dev) * n + counts - 1]  # each request's last emitted row
+        last = (counts - 1)[:, None]  # each request's last emitted row
+        h = h.view(B, n, -1)[torch.arange(B, device=dev), last[:, 0]]
         start = batch.start + counts  # L': the position of the last emitted token
         drafts, q = draft(model, cache, h, start, batch, table)  # 4. draft
-        next_tokens = torch.cat([emitted.gather(1, counts[:, None] - 1), drafts], 1)
+        next_tokens = torch.cat([emitted.gather(1, last), drafts], 1)
         state.q[ids] = q
     state.tokens[ids] = next_tokens
-    # a padding row (its table all slot 0) stays at position 0: its rows stay inside any table's width
-    state.start.index_add_(0, ids, counts * (table[:, 0] > 0))
+    state.start.index_add_(0, ids, counts)
+    state.start[0] = 0  # padding's row: it stays at position 0, so its rows stay inside any table's width
     return torch.cat([emitted, counts[:, None]], 1), logits
 
 

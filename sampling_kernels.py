@@ -8,6 +8,8 @@ on an H200, 74 us split). A short row (the demo's 2048 tokens) is held in one pr
 (_probs_row_kernel).
 """
 
+import math
+
 import torch
 import triton
 import triton.language as tl
@@ -381,6 +383,7 @@ def _probs_kernel(
     x_ptr,
     temp_ptr,
     top_p_ptr,
+    group,
     out_ptr,
     ws_ptr,
     V,
@@ -395,7 +398,7 @@ def _probs_kernel(
     r, c, S = tl.program_id(0), tl.program_id(1), tl.num_programs(1)
     x, row = x_ptr + r.to(tl.int64) * V, out_ptr + r.to(tl.int64) * V
     ws = ws_ptr + r.to(tl.int64) * PROBS_FIELDS * S
-    t, top_p = tl.load(temp_ptr + r), tl.load(top_p_ptr + r)
+    t, top_p = tl.load(temp_ptr + r // group), tl.load(top_p_ptr + r // group)
     for phase in tl.static_range(FIRST, LAST + 1):
         if phase == 0:
             _weights_phase(x, row, ws, c, S, V, t, phase, CHUNK, SP)
@@ -418,13 +421,13 @@ ROW_IN_REGISTERS = 8192
 
 
 @triton.jit
-def _probs_row_kernel(x_ptr, temp_ptr, top_p_ptr, out_ptr, V, BLOCK: tl.constexpr):
+def _probs_row_kernel(x_ptr, temp_ptr, top_p_ptr, group, out_ptr, V, BLOCK: tl.constexpr):
     """_probs_kernel's phases for a row in registers, a program a row: the weights e and their total; the
     threshold's search, each pass's 16 weights above summed over the row at once; the kept weights
     normalized. A greedy row, or one whose max (e = 1) alone holds top_p of the total, is the one-hot on its
     first max (what the search would keep)."""
     r, cols = tl.program_id(0), tl.arange(0, BLOCK)
-    t, top_p = tl.load(temp_ptr + r), tl.load(top_p_ptr + r)
+    t, top_p = tl.load(temp_ptr + r // group), tl.load(top_p_ptr + r // group)
     x, row = x_ptr + r.to(tl.int64) * V, out_ptr + r.to(tl.int64) * V
     y = tl.load(x + cols, mask=cols < V, other=-float("inf")) / tl.where(t == 0, 1.0, t)
     m = tl.max(y, 0)
@@ -451,15 +454,31 @@ def probs_from_logits(logits, temperature, top_p):
     nucleus' edge where the mass before it is within rounding of top_p."""
     shape, V = logits.shape, logits.shape[-1]
     x = logits.reshape(-1, V).float().contiguous()
-    t = temperature.expand(shape[:-1]).reshape(-1).float().contiguous()
-    tp = top_p.expand(shape[:-1]).reshape(-1).float().contiguous()
+    t, tp, group = _per_request(temperature, top_p, shape[:-1])
     out = torch.empty_like(x)
     if len(x) and V <= ROW_IN_REGISTERS:
         # A block of at least 256 (masked columns weigh 0): over 8 or 16 columns, and 128 at 8 warps, the
         # compiled search kept too few tokens, as if the [block, 16] sums counted some weights twice (Triton
         # 3.6, H200; test_gpu_probs_kernel_matches_reference[7])
         block = max(256, triton.next_power_of_2(V))
-        _probs_row_kernel[(len(x),)](x, t, tp, out, V, BLOCK=block, num_warps=8 if block <= 2048 else 32)
+        config = dict(BLOCK=block, num_warps=8 if block <= 2048 else 32)
+        _probs_row_kernel[(len(x),)](x, t, tp, group, out, V, **config)
     elif len(x):
-        split_rows(_probs_kernel, x, PROBS_FIELDS.value, PASSES.value + 5, t, tp, out)
+        split_rows(_probs_kernel, x, PROBS_FIELDS.value, PASSES.value + 5, t, tp, group, out)
     return out.view(shape)
+
+
+def _per_request(temperature, top_p, rows):
+    """temperature and top_p broadcast to the rows' shape -> (both as fp32 vectors, the consecutive rows that
+    share each value): no copies where both vary along the same leading dims alone (a request's [B, 1] over
+    its k+1 rows), else one value a row."""
+    varying = []
+    for v in (temperature, top_p):
+        dims = (1,) * (len(rows) - v.dim()) + tuple(v.shape)
+        while dims and dims[-1] == 1:  # (dims a value is broadcast over)
+            dims = dims[:-1]
+        varying.append(dims)
+    if varying[0] == varying[1] and tuple(rows[: len(varying[0])]) == varying[0]:
+        group = math.prod(rows[len(varying[0]) :])
+        return temperature.float().reshape(-1).contiguous(), top_p.float().reshape(-1).contiguous(), group
+    return *(v.expand(rows).reshape(-1).float().contiguous() for v in (temperature, top_p)), 1

@@ -2372,6 +2372,10 @@ for V in (7, 1500, 3000, 5000):
     want, got = m.probs_from_logits(logits, t, top_p), k.probs_from_logits(logits, t, top_p)
     assert ((got > 0) == (want > 0)).all(), V
     assert (got - want).abs().max() < 1e-6, V
+    # one temperature and top-p a request over its two rows, as accept passes them (read, not copied): the
+    # same as one value a row
+    one, rows = top_p[:, 1:], (t.expand(4, 2).contiguous(), top_p[:, 1:].expand(4, 2).contiguous())
+    assert torch.equal(k.probs_from_logits(logits, t, one), k.probs_from_logits(logits, *rows)), V
     seeds = torch.randint(0, 2**62, (4, 1), generator=gen)
     positions = torch.randint(0, 10**6, (2,), generator=gen)
     p = want.float()
