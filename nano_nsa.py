@@ -1389,7 +1389,7 @@ def speculative_round(model, cache, state: Batch, ids, table):
         state.q[ids] = q
     state.tokens[ids] = next_tokens
     state.start.index_add_(0, ids, counts)
-    state.start[0] = 0  # padding's row: it stays at position 0, so its rows stay inside any table's width
+    state.start[0].zero_()  # padding's row: it stays at position 0, so its rows stay inside any table's width
     return torch.cat([emitted, counts[:, None]], 1), logits
 
 
