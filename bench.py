@@ -240,9 +240,8 @@ def mla_kernel(llm, ctx):
     for T in (16, 64, 256):
         gen = torch.Generator("cuda").manual_seed(T)
         slots = 1 + torch.randperm(cache.latent.shape[0] - 1, device="cuda", generator=gen)[None, :ctx]
-        meta = m.Meta(
-            "decode", torch.full((T,), ctx - 1, device="cuda"), torch.zeros_like(slots[0, :T]), slots, [0, T]
-        )
+        pos, req = torch.full((T,), ctx - 1, device="cuda"), torch.zeros_like(slots[0, :T])
+        meta = m.Meta("decode", pos, req, slots, [0, T], slots[req, pos], pos + 1)
         sel = torch.rand(T, ctx, device="cuda", generator=gen).argsort(-1)[:, :K]
         # bf16 as the engine's q (an fp32 one would time the kernel's cast to bf16 too)
         q = torch.randn(T, H, C, device="cuda", generator=gen).to(m.BF16)

@@ -3,6 +3,7 @@ generate's stats (LLM.stats) and leaving torchrun's process group. nano_nsa.main
 reader of the engine can skip this file."""
 
 import argparse
+import functools
 import json
 import os
 import sys
@@ -84,6 +85,23 @@ def generate_options(args):
 def streams(args, prompts):
     """Whether the text streams as it is generated: one prompt, not --json."""
     return not args.json and len(prompts) == 1
+
+
+def exit_code(main):
+    """main(argv) as a process's exit code: 0 once it returns; 1 for a bad input or settings too large for the
+    machine's memory (error: one line); 130 for Ctrl-C."""
+
+    @functools.wraps(main)
+    def run(argv=None):
+        try:
+            main(argv)
+        except (ValueError, OSError, RuntimeError) as e:  # (RuntimeError: out of memory; error raises others)
+            return error(e)
+        except KeyboardInterrupt:
+            return 130
+        return 0
+
+    return run
 
 
 def error(e):

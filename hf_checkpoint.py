@@ -393,6 +393,16 @@ def shard_files(path):
     return [os.path.join(path, f) for f in files], weight_map
 
 
+def progress_bar(files, rank, ranks):
+    """load_model's progress bar over the bytes a rank reads (about its share of the files'), shown by rank 0
+    for a checkpoint of 256 MiB or more."""
+    from tqdm import tqdm
+
+    total = sum(os.path.getsize(f) for f in files) // ranks
+    quiet = total < (256 << 20) or rank > 0
+    return tqdm(total=total, unit="B", unit_scale=True, desc="loading", leave=False, disable=quiet)
+
+
 def read_headers(path):
     """{tensor name: (shape, dtype, shard file)} from every shard's header (safetensors checks its length,
     JSON, dtypes and each tensor's byte span), checked against the index's weight map; no weights read."""

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import functools
 import math
-import os
 import sys
 import time
 from dataclasses import dataclass, field, fields, replace
@@ -37,8 +36,7 @@ import torch.nn.functional as F
 import checks
 import cli
 import hf_checkpoint
-from checks import require
-from parallel import all_gather, all_reduce, init_distributed, rank_slice, tp_rank, tp_size
+from parallel import all_gather, all_reduce, init_distributed, rank_local, rank_slice, tp_rank, tp_size
 
 BLOCK = 128  # FP8 block size: 128x128 weight blocks, 1x128 activation groups
 FP8 = torch.float8_e4m3fn
@@ -287,10 +285,8 @@ class Embedding(nn.Module):
     def forward(self, tokens):
         if tp_size() == 1:  # (one lookup: the masking below costs five kernels per pass)
             return F.embedding(tokens, self.weight)
-        rows = self.weight.shape[0]
-        local = tokens - tp_rank() * rows
-        mine = (local >= 0) & (local < rows)
-        return all_reduce(F.embedding(local.clamp(0, rows - 1), self.weight) * mine[..., None])
+        local, mine = rank_local(tokens, len(self.weight))  # (another rank's tokens: row 0, masked)
+        return all_reduce(F.embedding(local.clamp(0, len(self.weight) - 1), self.weight) * mine[..., None])
 
 
 def yarn_frequencies(cfg: Config):
@@ -320,17 +316,13 @@ def rope_cos_sin(freqs: torch.Tensor, positions: torch.Tensor):
 def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: bool) -> torch.Tensor:
     """Rotate x [T, ..., R] by position. interleaved (MLA): pairs (x[2i], x[2i+1]); half-split (indexer):
     pairs (x[i], x[i + R/2]). fp32 math, bf16 out."""
-    if interleaved:
-        x1, x2 = x[..., 0::2].float(), x[..., 1::2].float()
-    else:
-        x1, x2 = x.float().chunk(2, dim=-1)
+    # the last dim as [R/2, 2] (interleaved: pairs side by side) or [2, R/2] (half-split: R/2 apart), so a
+    # pair's two members lie along dim `pair`
+    pair = -1 if interleaved else -2
+    x1, x2 = x.float().unflatten(-1, (-1, 2) if interleaved else (2, -1)).unbind(pair)
     shape = (cos.shape[0],) + (1,) * (x.dim() - 2) + (cos.shape[1],)  # broadcast over heads
     cos, sin = cos.view(shape), sin.view(shape)
-    o1 = x1 * cos - x2 * sin
-    o2 = x1 * sin + x2 * cos
-    if interleaved:
-        return torch.stack((o1, o2), -1).flatten(-2).to(BF16)
-    return torch.cat((o1, o2), -1).to(BF16)
+    return torch.stack((x1 * cos - x2 * sin, x1 * sin + x2 * cos), pair).flatten(-2).to(BF16)
 
 
 def hadamard(x: torch.Tensor) -> torch.Tensor:
@@ -373,15 +365,9 @@ class Meta:
     row_req: torch.Tensor  # [T] request (row of `table`) each row belongs to
     table: torch.Tensor  # [B, W] table[b, p]: request b's position p's KV-pool slot (PagePool.table)
     cu_seqlens: list  # [B + 1] host: row offsets of each request
-    slots: torch.Tensor = None  # [T] slot each row's token is written to (default: its position's; draft-
-    # extend's rows past what a request emitted write the dummy slot 0: PagePool)
-    ctx_lens: torch.Tensor = None  # [T] each row's causal length: position + 1 (default: computed)
-
-    def __post_init__(self):
-        if self.ctx_lens is None:
-            self.ctx_lens = self.positions + 1
-        if self.slots is None:
-            self.slots = self.table[self.row_req, self.positions]
+    slots: torch.Tensor  # [T] slot each row's token is written to: its position's (draft-extend's rows past
+    # what a request emitted write the dummy slot 0: PagePool)
+    ctx_lens: torch.Tensor  # [T] each row's causal length: position + 1
 
     @property
     def max_ctx(self):
@@ -396,7 +382,8 @@ class Meta:
         positions = [s + i for s, n in zip(starts, lens, strict=True) for i in range(n)]
         row_req = [b for b, n in enumerate(lens) for _ in range(n)]
         pos, row_req = to_device(torch.tensor([positions, row_req]), table.device)  # one copy
-        return cls(mode, pos, row_req, table[:, : max(positions) + 1], list(accumulate(lens, initial=0)))
+        table = table[:, : max(positions) + 1]  # W: the longest row's causal length
+        return cls(mode, pos, row_req, table, list(accumulate(lens, initial=0)), table[row_req, pos], pos + 1)
 
     @classmethod
     def decode(cls, ops, start, n, table):
@@ -466,9 +453,8 @@ class KVCache:
         return cfg.kv_lora_rank + cfg.kv_lora_rank // 32 + 2 * cfg.qk_rope_head_dim
 
     @staticmethod
-    def bytes_per_token(cfg: Config, mtp_layers=True):
-        layers = cfg.n_layers + cfg.n_mtp_layers * mtp_layers
-        return layers * (KVCache.row_bytes(cfg) + cfg.index_head_dim + 4)  # ik: J fp8, iks: 4 (fp32)
+    def bytes_per_token(cfg: Config, mtp_layers=True):  # (a one-slot cache's bytes, allocated nowhere)
+        return sum(t.nbytes for t in KVCache(cfg, 1, "meta", mtp_layers).tensors())
 
     def layer(self, i):
         return LayerCache(self.latent[i], self.ik[i], self.iks[i], self.C)
@@ -490,9 +476,7 @@ def store_index_key(k, norm_weight, norm_bias, eps, cos, sin, cache: LayerCache,
     """The indexer's cache write for this pass's tokens (the reference of its kernel): the key k [T, J] (wk's
     output) LayerNormed in fp32 (k_norm), rounded to bf16, then index_quant, into the cache rows `slots`."""
     k = F.layer_norm(k.float(), k.shape[-1:], norm_weight, norm_bias, eps).to(BF16)
-    k8, ks = index_quant(k, cos, sin)  # [T, J] fp8, [T, 1]
-    cache.ik[slots] = k8
-    cache.iks[slots] = ks[:, 0]
+    cache.ik[slots], cache.iks[slots, None] = index_quant(k, cos, sin)  # [T, J] fp8, [T, 1]
 
 
 def index_scores(q8, w, k8, ks):
@@ -666,9 +650,8 @@ class MLA(nn.Module):
     def queries(self, qr, cos, sin, absorbed):
         """The query heads from the normed query latent qr [T, q_lora] -> (q_nope [T, H, D], q_pe [T, H, R]
         rotated). absorbed: q_nope moved into the latent space through W_UK, [T, H, C] (the absorbed form)."""
-        cfg, T = self.cfg, qr.shape[0]
-        D, R = cfg.qk_nope_head_dim, cfg.qk_rope_head_dim
-        q_nope, q_pe = self.wq_b(qr).view(T, -1, D + R).split([D, R], -1)
+        D, R = self.cfg.qk_nope_head_dim, self.cfg.qk_rope_head_dim
+        q_nope, q_pe = self.wq_b(qr).unflatten(-1, (-1, D + R)).split([D, R], -1)
         if absorbed:  # (before the rope: on a GPU, W_UK then overlaps more of the indexer)
             q_nope = self.ops.head_linear(q_nope, self.w_uk)  # absorb W_UK: [T, H, C]
         q_pe = self.ops.rope(q_pe, cos, sin, interleaved=True)
@@ -743,25 +726,21 @@ def moe(x, weights, idx, experts):
     """The routed experts (the reference of the grouped MoE kernel): each a SwiGLU MLP over the tokens that
     chose it, summed with their routing weights in fp32. x [T, dim] bf16; weights, idx [T, A] (idx E: another
     rank's expert: MoE.routed); experts.w1, w3 [E, F, dim], w2 [E, dim, F] FP8 stacks -> [T, dim] fp32.
-    Grouped as the kernel: one GEMM per expert over the rows of the tokens that chose it, tokens ascending (x
-    quantized once, before the gather: per row, act_quant equals quantizing each expert's rows); the experts
+    Grouped as the kernel: one SwiGLU MLP (mlp) per expert over the rows of the tokens that chose it, tokens
+    ascending (act_quant is per row: the kernel's one quantization of x gives these rows' values); the experts
     in ascending order, so each token's outputs are summed in that order."""
-    rows = act_dequant(*act_quant(x)).to(acc_dtype(x))
     y = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
     for e in idx[idx < experts.w1.weight.shape[0]].unique().tolist():  # (idx E: another rank's, skipped)
         t, a = (idx == e).nonzero(as_tuple=True)  # the tokens that chose e, and which choice it was
-        h = swiglu(expert_linear(rows[t], experts.w1, e), expert_linear(rows[t], experts.w3, e))
-        out = expert_linear(act_dequant(*act_quant(h)).to(rows.dtype), experts.w2, e)  # [n, dim] bf16
+        out = mlp(x[t], *(expert_linear(lin, e) for lin in (experts.w1, experts.w3, experts.w2)))  # bf16
         y.index_add_(0, t, out.float() * weights[t, a, None])  # (t repeats if a token chose e twice)
     return y
 
 
-def expert_linear(rows, linear, e):
-    """rows [n, in] (quantized, acc_dtype) times expert e's weight of the stack `linear` -> [n, out] bf16:
-    fp8_linear's math."""
+def expert_linear(linear, e):
+    """Expert e's weight of the stack `linear` as a Linear would apply it: x -> fp8_linear(x, W_e), bf16."""
     w, scales = linear.operands()
-    w_e = w[e] if scales is None else weight_dequant(w[e], scales[e])
-    return F.linear(rows, w_e.to(rows.dtype)).to(BF16)
+    return functools.partial(fp8_linear, w=w[e], scale=None if scales is None else scales[e])
 
 
 class MoE(nn.Module):
@@ -786,9 +765,8 @@ class MoE(nn.Module):
         weights, idx = self.gate(x)  # [T, A] each (replicated)
         if tp_size() > 1:
             E = self.experts.w1.weight.shape[0]
-            first = tp_rank() * E  # this rank holds experts first .. first + E - 1
-            mine = (idx >= first) & (idx < first + E)
-            idx = torch.where(mine, idx - first, E)  # E: another rank's, skipped
+            local, mine = rank_local(idx, E)  # this rank holds experts tp_rank() * E onwards, E of them
+            idx = torch.where(mine, local, E)  # E: another rank's, skipped
         return self.ops.moe(x, weights, idx, self.experts)
 
 
@@ -958,7 +936,6 @@ def load_model(path, device="cpu", kernels="auto", cfg=None) -> Transformer:
     (the copy into their fp32 parameters), as the reference does; a tensor holding nan or inf is refused by
     name. Under torchrun a rank reads only its share."""
     from safetensors import safe_open
-    from tqdm import tqdm
 
     cfg = cfg or hf_checkpoint.open_checkpoint(path, Config)
     ops = select_ops(kernels, device)  # (kernels that cannot run here: refused before any weight is read)
@@ -966,9 +943,7 @@ def load_model(path, device="cpu", kernels="auto", cfg=None) -> Transformer:
         model = Transformer(cfg).eval()
     params = dict(model.named_parameters())
     files = hf_checkpoint.shard_files(path)[0]  # the shard files ([1]: the weight map)
-    total = sum(os.path.getsize(f) for f in files) // tp_size()  # about what each rank reads
-    quiet = total < (256 << 20) or tp_rank() > 0
-    with tqdm(total=total, unit="B", unit_scale=True, desc="loading", leave=False, disable=quiet) as bar:
+    with hf_checkpoint.progress_bar(files, tp_rank(), tp_size()) as bar:  # (rank 0's, for a large model)
         for file in files:
             with safe_open(file, "pt", device="cpu") as f:
                 for name in f.keys():
@@ -1440,18 +1415,16 @@ class CudaGraphs:
         self.buckets = graph_buckets(max_batch, llm.num_draft + 1, tp_size())
         context = llm.max_context + round_lookahead(llm.num_draft) + 1  # a bound on any round's table width
         self.max_width = -(-context // page_size) * page_size
-        ints = functools.partial(torch.zeros, dtype=torch.long, device=llm.device)
-        self.table = ints(self.buckets[-1], self.max_width)
-        self.ids = ints(self.buckets[-1])  # the round's rows of the decode state
+        self.table = torch.zeros(self.buckets[-1], self.max_width, dtype=torch.long, device=llm.device)
+        self.ids = self.table.new_zeros(self.buckets[-1])  # the round's rows of the decode state
         self.graphs = {}
         self.memory_pool = torch.cuda.graph_pool_handle()  # one CUDA memory pool for all of them
 
     def width(self, max_ctx):
         """The context bound a round runs under (the indexer's width), from the width of its table: index_topk
         if that covers it, else the next power of two (at most max_width)."""
-        topk = self.model.cfg.index_topk
-        if max_ctx <= topk:
-            return topk
+        if max_ctx <= self.model.cfg.index_topk:
+            return self.model.cfg.index_topk
         return min(1 << (max_ctx - 1).bit_length(), self.max_width)
 
     def run(self, ids, table):
@@ -1476,8 +1449,7 @@ class CudaGraphs:
         tensors = (self.model, self.cache, self.state, self.ids[:bs], self.table[:bs, :width])
         round_ = functools.partial(speculative_round, *tensors)
         what = f"the round for bs {bs}, contexts <= {width}"
-        graph, out = self.model.ops.capture(round_, self.memory_pool, [self.ids, self.table], what)
-        self.graphs[key] = (graph, out)
+        self.graphs[key] = self.model.ops.capture(round_, self.memory_pool, [self.ids, self.table], what)
 
 
 # ---- LLM: the engine, tying the parts together -------------------------------------------------------------
@@ -1513,19 +1485,16 @@ class LLM:
         self.device = init_distributed(checks.check_device(device))  # torchrun: join the ranks, take a GPU
         model_dir = hf_checkpoint.default_model_dir() if model_dir is None else model_dir
         self.cfg = model.cfg if model else hf_checkpoint.open_checkpoint(model_dir, Config)  # no weights read
-        require(mtp == 0 or self.cfg.n_mtp_layers > 0, f"mtp={mtp}: needs a checkpoint with an MTP layer")
         kv_bytes = KVCache.bytes_per_token(self.cfg, mtp > 0)  # a token's KV in every layer that keeps it
-        if model is None:  # before any allocation
-            checks.check_fits(self.cfg, self.device, Transformer, kv_bytes)
+        to_load = None if model else Transformer  # (its weights must fit: checked before any allocation)
+        checks.check_engine(self.cfg, self.device, mtp, kv_bytes, page_size, kv_cache_bytes, to_load)
         self.tokenizer = hf_checkpoint.load_tokenizer(model_dir, self.cfg, SPECIAL_TOKENS, BOS, EOS)
-        page_bytes = kv_bytes * page_size
-        checks.check_pool_bytes(kv_cache_bytes, page_bytes, self.device)
         self.model = model or load_model(model_dir, self.device, kernels, self.cfg)
         self.num_draft = mtp
         self.max_context = min(max_context or self.cfg.max_seq_len, self.cfg.max_seq_len)
         # the pages the pool's bytes hold (its default: after the weights), the fewest over the ranks (TP: one
         # schedule for all)
-        pages = checks.pool_pages(kv_cache_bytes, page_size, page_bytes, self.device, round_lookahead(mtp))
+        pages = checks.pool_pages(kv_cache_bytes, page_size, kv_bytes, self.device, round_lookahead(mtp))
         self.cache = KVCache(self.cfg, pages * page_size, self.device, mtp > 0)
         self.pool = PagePool(self.cache, page_size)
         self.scheduler = Scheduler(self.pool, max_batch, max_prefill_tokens, mtp, self.cfg.index_topk)
@@ -1712,23 +1681,18 @@ class LLM:
         return Result(r.generated, self.tokenizer.decode(r.generated), r.accept_lengths, logits, r.finish)
 
 
+@cli.exit_code  # (main's exit codes: 0, 1 for a bad input or too little memory, 130 for Ctrl-C)
 def main(argv=None):
     """`python nano_nsa.py --prompt "..."` (the options: cli.py): generates, streaming a single prompt's text,
     then prints a line of speed and acceptance. A bad input is one line and exit code 1, never a traceback."""
     args = cli.parse(argv)
-    try:
-        prompts = cli.read_prompts(args)
-        llm = LLM(args.model, **cli.engine_options(args))
-        stream = cli.TextStream(llm.tokenizer) if cli.streams(args, prompts) and tp_rank() == 0 else None
-        results = llm.generate(prompts, on_tokens=stream, **cli.generate_options(args))
-        if tp_rank() == 0:  # torchrun: every rank computed the same tokens (asked before leaving the group)
-            cli.print_results(args, prompts, results, llm.stats, stream)
-        cli.end_distributed(llm.graphs is not None)
-    except (ValueError, OSError, RuntimeError) as e:  # (RuntimeError: out of memory; cli.error raises others)
-        return cli.error(e)
-    except KeyboardInterrupt:
-        return 130
-    return 0
+    prompts = cli.read_prompts(args)
+    llm = LLM(args.model, **cli.engine_options(args))
+    stream = cli.TextStream(llm.tokenizer) if cli.streams(args, prompts) and tp_rank() == 0 else None
+    results = llm.generate(prompts, on_tokens=stream, **cli.generate_options(args))
+    if tp_rank() == 0:  # torchrun: every rank computed the same tokens (asked before leaving the group)
+        cli.print_results(args, prompts, results, llm.stats, stream)
+    cli.end_distributed(llm.graphs is not None)
 
 
 if __name__ == "__main__":

@@ -54,3 +54,10 @@ def rank_slice(full, part):
     the rest whole."""
     r = tp_rank()
     return tuple(slice(None) if f == p else slice(r * p, r * p + p) for f, p in zip(full, part, strict=True))
+
+
+def rank_local(idx, n):
+    """Indices into n-row shards held in rank order (vocabulary rows, routed experts) -> (idx - this rank's
+    first, whether this rank holds it)."""
+    local = idx - tp_rank() * n
+    return local, (local >= 0) & (local < n)
