@@ -353,6 +353,15 @@ def to_device(x: torch.Tensor, device) -> torch.Tensor:
     return x.to(device)
 
 
+def decode_rows(start, n, table):
+    """Decode rows, n per request, request b's at positions start[b] .. start[b] + n - 1 (for Meta.decode; the
+    op decode_rows, one launch on a GPU): start [B], table [B, W] -> (positions, row_req, slots, ctx_lens)
+    [B*n] each."""
+    positions = (start[:, None] + torch.arange(n, device=start.device)).flatten()
+    rows = torch.arange(len(start), device=start.device).repeat_interleave(n)
+    return positions, rows, table[rows, positions], positions + 1
+
+
 @dataclass
 class Meta:
     """What a forward pass knows of its rows, built once, shared by every layer: by Meta.build (a prefill
@@ -395,14 +404,6 @@ class Meta:
 
     def request_rows(self):
         return [slice(a, b) for a, b in zip(self.cu_seqlens[:-1], self.cu_seqlens[1:], strict=True)]
-
-
-def decode_rows(start, n, table):
-    """Meta.decode's rows (the op: one launch on a GPU): start [B], table [B, W] -> (positions, row_req,
-    slots, ctx_lens) [B*n] each."""
-    positions = (start[:, None] + torch.arange(n, device=start.device)).flatten()
-    rows = torch.arange(len(start), device=start.device).repeat_interleave(n)
-    return positions, rows, table[rows, positions], positions + 1
 
 
 @dataclass
@@ -722,6 +723,12 @@ class Gate(nn.Module):
         return self.ops.route(logits, self.bias, *limits, cfg.route_scale)
 
 
+def expert_linear(linear, e):
+    """Expert e's weight of the stack `linear` as a Linear would apply it: x -> fp8_linear(x, W_e), bf16."""
+    w, scales = linear.operands()
+    return functools.partial(fp8_linear, w=w[e], scale=None if scales is None else scales[e])
+
+
 def moe(x, weights, idx, experts):
     """The routed experts (the reference of the grouped MoE kernel): each a SwiGLU MLP over the tokens that
     chose it, summed with their routing weights in fp32. x [T, dim] bf16; weights, idx [T, A] (idx E: another
@@ -735,12 +742,6 @@ def moe(x, weights, idx, experts):
         out = mlp(x[t], *(expert_linear(lin, e) for lin in (experts.w1, experts.w3, experts.w2)))  # bf16
         y.index_add_(0, t, out.float() * weights[t, a, None])  # (t repeats if a token chose e twice)
     return y
-
-
-def expert_linear(linear, e):
-    """Expert e's weight of the stack `linear` as a Linear would apply it: x -> fp8_linear(x, W_e), bf16."""
-    w, scales = linear.operands()
-    return functools.partial(fp8_linear, w=w[e], scale=None if scales is None else scales[e])
 
 
 class MoE(nn.Module):
