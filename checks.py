@@ -94,16 +94,6 @@ def check_device(device):
     return dev
 
 
-def check_engine(cfg, device, mtp, kv_bytes_per_token, page_size, kv_cache_bytes, model_class):
-    """What the engine's arguments ask of the checkpoint and the device: mtp > 0 an MTP layer; a model_class
-    to load (None: a model built already) weights that fit beside a minimal KV pool (check_fits);
-    kv_cache_bytes at least two pages and at most the device's memory (check_pool_bytes)."""
-    require(mtp == 0 or cfg.n_mtp_layers > 0, f"mtp={mtp}: needs a checkpoint with an MTP layer")
-    if model_class is not None:
-        check_fits(cfg, device, model_class, kv_bytes_per_token)
-    check_pool_bytes(kv_cache_bytes, kv_bytes_per_token * page_size, device)
-
-
 def check_pool_bytes(kv_cache_bytes, page_bytes, device):
     """A KV pool of at least two pages (page 0 is the dummy page) and at most the device's memory."""
     if kv_cache_bytes is None:

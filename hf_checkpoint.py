@@ -395,7 +395,7 @@ def shard_files(path):
 
 def progress_bar(files, rank, ranks):
     """load_model's progress bar over the bytes a rank reads (about its share of the files'), shown by rank 0
-    for a checkpoint of 256 MiB or more."""
+    where that share is 256 MiB or more."""
     from tqdm import tqdm
 
     total = sum(os.path.getsize(f) for f in files) // ranks

@@ -538,7 +538,7 @@ def _rope_cos_sin_kernel(pos_ptr, freqs_ptr, cos_ptr, sin_ptr, T, HALF: tl.const
 
 
 def rope_cos_sin(freqs, positions):
-    """Kernel of nano_nsa.rope_cos_sin: both in one launch (torch: four), the same bits."""
+    """Kernel of nano_nsa.rope_cos_sin: both in one launch (the reference: three), the same bits."""
     T, half = positions.shape[0], freqs.shape[0]
     cos, sin = torch.empty(2, T, half, dtype=torch.float32, device=positions.device)
     if T:
@@ -881,7 +881,8 @@ def _decode_rows_kernel(start_ptr, table_ptr, out_ptr, T, table_stride, N: tl.co
 
 
 def decode_rows(start, n, table):
-    """Kernel of nano_nsa.decode_rows: one launch (torch: seven)."""
+    """Kernel of nano_nsa.decode_rows: one launch (the reference: six or seven). Every position must lie
+    inside its row of the table (round_lookahead sees to it): unlike torch's indexing, nothing checks it."""
     assert table.stride(1) == 1 and start.is_contiguous()
     T = len(start) * n
     out = torch.empty(4, T, dtype=torch.long, device=start.device)

@@ -36,6 +36,7 @@ import torch.nn.functional as F
 import checks
 import cli
 import hf_checkpoint
+from checks import require
 from parallel import all_gather, all_reduce, init_distributed, rank_local, rank_slice, tp_rank, tp_size
 
 BLOCK = 128  # FP8 block size: 128x128 weight blocks, 1x128 activation groups
@@ -125,7 +126,8 @@ TINY |= dict(index_n_heads=4, index_topk=32)  # the indexer
 #   self.ops   the kernel set every layer calls its heavy math through ("The kernel boundary" below): torch
 #              references written here, or kernels.py's GPU versions of the same names, bound once at load;
 #   tp_size(), tp_rank(), all_reduce()   tensor parallelism ("Tensor parallelism" below): 1, 0 and nothing at
-#              one rank; under torchrun a layer holds its rank's share of the weights and sums the parts.
+#              one rank; under torchrun a layer holds its rank's share of the weights and sums the parts
+#              (rank_local: an index into rows held by rank order, made this rank's, and whether it holds it).
 # The FP8 block format (spec 3.3): a weight W [out, in] is stored as float8_e4m3fn W8 with one float32 scale
 # per 128x128 block, a power of two (ue8m0), W = W8 * scale (weight_dequant); an activation is quantized per
 # row in 1x128 groups with power-of-two scales too (act_quant). FP8 times a power of two is exact in fp32,
@@ -285,7 +287,7 @@ class Embedding(nn.Module):
     def forward(self, tokens):
         if tp_size() == 1:  # (one lookup: the masking below costs five kernels per pass)
             return F.embedding(tokens, self.weight)
-        local, mine = rank_local(tokens, len(self.weight))  # (another rank's tokens: row 0, masked)
+        local, mine = rank_local(tokens, len(self.weight))  # (another rank's: clamped to a row, then masked)
         return all_reduce(F.embedding(local.clamp(0, len(self.weight) - 1), self.weight) * mine[..., None])
 
 
@@ -392,15 +394,18 @@ class Meta:
         row_req = [b for b, n in enumerate(lens) for _ in range(n)]
         pos, row_req = to_device(torch.tensor([positions, row_req]), table.device)  # one copy
         table = table[:, : max(positions) + 1]  # W: the longest row's causal length
-        return cls(mode, pos, row_req, table, list(accumulate(lens, initial=0)), table[row_req, pos], pos + 1)
+        cu_seqlens = list(accumulate(lens, initial=0))
+        return cls(mode, pos, row_req, table, cu_seqlens, slots=table[row_req, pos], ctx_lens=pos + 1)
 
     @classmethod
     def decode(cls, ops, start, n, table):
         """Request b's rows at positions start[b] .. start[b] + n - 1 (start [B], on the device): a verify's
         x_L, d_1..d_k (n = k+1; draft-extend reuses them) or a draft step's token (n = 1). Each is a decode
-        row of its own: its causal length is its position + 1 (the indexer masks the rest: topk_positions)."""
+        row of its own: its causal length is its position + 1 (the indexer masks the rest: topk_positions).
+        (Part 2 explains drafts: speculative_round, draft.)"""
         positions, rows, slots, ctx_lens = ops.decode_rows(start, n, table)
-        return cls("decode", positions, rows, table, list(range(0, len(positions) + 1, n)), slots, ctx_lens)
+        cu_seqlens = list(range(0, len(positions) + 1, n))
+        return cls("decode", positions, rows, table, cu_seqlens, slots=slots, ctx_lens=ctx_lens)
 
     def request_rows(self):
         return [slice(a, b) for a, b in zip(self.cu_seqlens[:-1], self.cu_seqlens[1:], strict=True)]
@@ -477,7 +482,9 @@ def store_index_key(k, norm_weight, norm_bias, eps, cos, sin, cache: LayerCache,
     """The indexer's cache write for this pass's tokens (the reference of its kernel): the key k [T, J] (wk's
     output) LayerNormed in fp32 (k_norm), rounded to bf16, then index_quant, into the cache rows `slots`."""
     k = F.layer_norm(k.float(), k.shape[-1:], norm_weight, norm_bias, eps).to(BF16)
-    cache.ik[slots], cache.iks[slots, None] = index_quant(k, cos, sin)  # [T, J] fp8, [T, 1]
+    k8, ks = index_quant(k, cos, sin)  # [T, J] fp8, [T, 1]
+    cache.ik[slots] = k8
+    cache.iks[slots] = ks[:, 0]
 
 
 def index_scores(q8, w, k8, ks):
@@ -926,8 +933,8 @@ def select_ops(kernels, device):
 # columns), routed experts (by index range), vocabulary. Replicated: the rest, the indexer and latent KV cache
 # included (every rank selects the same positions). One all-reduce per block half (Block) and one of the
 # embedding, one all-gather of the logits; sampling is identical on every rank.
-# The torch.distributed calls behind tp_size, tp_rank, all_reduce, all_gather and rank_slice (the index of
-# this rank's share of a checkpoint tensor) live in parallel.py.
+# The torch.distributed calls behind tp_size, tp_rank, all_reduce, all_gather, rank_slice (the index of
+# this rank's share of a checkpoint tensor) and rank_local (Embedding, MoE.routed) live in parallel.py.
 
 
 # ---- Loader: reads any DeepSeek-V3.2 checkpoint directory shard by shard, validating every tensor ----------
@@ -1487,9 +1494,11 @@ class LLM:
         model_dir = hf_checkpoint.default_model_dir() if model_dir is None else model_dir
         self.cfg = model.cfg if model else hf_checkpoint.open_checkpoint(model_dir, Config)  # no weights read
         kv_bytes = KVCache.bytes_per_token(self.cfg, mtp > 0)  # a token's KV in every layer that keeps it
-        to_load = None if model else Transformer  # (its weights must fit: checked before any allocation)
-        checks.check_engine(self.cfg, self.device, mtp, kv_bytes, page_size, kv_cache_bytes, to_load)
+        require(mtp == 0 or self.cfg.n_mtp_layers > 0, f"mtp={mtp}: needs a checkpoint with an MTP layer")
+        if model is None:  # before any allocation
+            checks.check_fits(self.cfg, self.device, Transformer, kv_bytes)
         self.tokenizer = hf_checkpoint.load_tokenizer(model_dir, self.cfg, SPECIAL_TOKENS, BOS, EOS)
+        checks.check_pool_bytes(kv_cache_bytes, kv_bytes * page_size, self.device)
         self.model = model or load_model(model_dir, self.device, kernels, self.cfg)
         self.num_draft = mtp
         self.max_context = min(max_context or self.cfg.max_seq_len, self.cfg.max_seq_len)
