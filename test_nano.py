@@ -483,6 +483,19 @@ def test_residual_stream_adds_every_half(model):
     ), "final norm"
 
 
+def test_meta_decode_equals_meta_build():
+    """Meta.decode (a round's rows from start positions on the device, through the op decode_rows) against
+    Meta.build (the same rows made from host lists): positions, row requests, slots, causal lengths."""
+    table = torch.randperm(5000)[:120].view(3, 40) + 1
+    start = torch.tensor([5, 0, 33])
+    for n in (1, 4):
+        got = m.Meta.decode(m.TORCH_OPS, start, n, table)
+        want = m.Meta.build("decode", start.tolist(), [n] * 3, table)
+        for name in ("positions", "row_req", "slots", "ctx_lens"):
+            assert torch.equal(getattr(got, name), getattr(want, name)), (n, name)
+        assert got.cu_seqlens == want.cu_seqlens and got.table is table
+
+
 def test_hadamard_and_rope_match_references():
     torch.manual_seed(4)
     x = torch.randn(5, 3, 128).to(torch.bfloat16)
