@@ -1493,8 +1493,8 @@ class LLM:
         self.device = init_distributed(checks.check_device(device))  # torchrun: join the ranks, take a GPU
         model_dir = hf_checkpoint.default_model_dir() if model_dir is None else model_dir
         self.cfg = model.cfg if model else hf_checkpoint.open_checkpoint(model_dir, Config)  # no weights read
-        kv_bytes = KVCache.bytes_per_token(self.cfg, mtp > 0)  # a token's KV in every layer that keeps it
         require(mtp == 0 or self.cfg.n_mtp_layers > 0, f"mtp={mtp}: needs a checkpoint with an MTP layer")
+        kv_bytes = KVCache.bytes_per_token(self.cfg, mtp > 0)  # a token's KV in every layer that keeps it
         if model is None:  # before any allocation
             checks.check_fits(self.cfg, self.device, Transformer, kv_bytes)
         self.tokenizer = hf_checkpoint.load_tokenizer(model_dir, self.cfg, SPECIAL_TOKENS, BOS, EOS)
