@@ -127,7 +127,7 @@ TINY |= dict(index_n_heads=4, index_topk=32)  # the indexer
 #              references written here, or kernels.py's GPU versions of the same names, bound once at load;
 #   tp_size(), tp_rank(), all_reduce()   tensor parallelism ("Tensor parallelism" below): 1, 0 and nothing at
 #              one rank; under torchrun a layer holds its rank's share of the weights and sums the parts
-#              (rank_local: an index into rows held by rank order, made this rank's, and whether it holds it).
+#              (rank_local(idx, n): idx shifted into this rank's n-row shard, and whether this rank holds it).
 # The FP8 block format (spec 3.3): a weight W [out, in] is stored as float8_e4m3fn W8 with one float32 scale
 # per 128x128 block, a power of two (ue8m0), W = W8 * scale (weight_dequant); an activation is quantized per
 # row in 1x128 groups with power-of-two scales too (act_quant). FP8 times a power of two is exact in fp32,
@@ -285,7 +285,7 @@ class Embedding(nn.Module):
         self.weight = param(vocab // tp_size(), dim, dtype=BF16)
 
     def forward(self, tokens):
-        if tp_size() == 1:  # (one lookup: the masking below costs five kernels per pass)
+        if tp_size() == 1:  # (one lookup: the masking below costs six kernels per pass)
             return F.embedding(tokens, self.weight)
         local, mine = rank_local(tokens, len(self.weight))  # (another rank's: clamped to a row, then masked)
         return all_reduce(F.embedding(local.clamp(0, len(self.weight) - 1), self.weight) * mine[..., None])
@@ -384,7 +384,7 @@ class Meta:
     def max_ctx(self):
         """W, the table's width: the indexer scores W positions, no row's causal length exceeds W. Meta.build:
         the longest row's; a decode round: LLM.decode's bound (CudaGraphs.width rounds it up). W <= K also
-        decides that the indexer selects everything unscored and that a prompt chunk attends densely (MLA)."""
+        means the indexer selects every position without scoring, and a prompt chunk attends densely (MLA)."""
         return self.table.shape[1]
 
     @classmethod
@@ -559,7 +559,7 @@ class Indexer(nn.Module):
 
 # ---- MLA: multi-head latent attention over the indexer's selection (spec 3.6, 3.8) -------------------------
 # The sparse MLA reference runs its rows in blocks whose gathered latents (rows x K x (C + R), 8-byte fp64s on
-# the CPU) take at most about this much, to stay in cache; each row is computed alone: same bits either way.
+# the CPU) take at most about this much, to stay in cache; rows are computed alone: any block size, same bits.
 SPARSE_MLA_BLOCK_BYTES = 8 << 20
 
 
@@ -911,14 +911,14 @@ TORCH_OPS = SimpleNamespace(
     linears=linears,  # several Linears of one input (GPU: one GEMM)         (MLA)
     rms_norm=rms_norm,  # RMSNorm, with the residual add fused                   (RMSNorm)
     fp8_linear=fp8_linear,  # act-quant + block-scaled FP8 GEMM                (Linear)
-    dense_linear=dense_linear,  # bf16/fp32 weights: lm_head, weights_proj, eh_proj (Linear)
+    dense_linear=dense_linear,  # bf16/fp32 weights: heads, weights_proj, eh_proj, router (Linear, Gate)
     mlp=mlp,  # SwiGLU MLP (GPU: w1 | w3 one GEMM, SwiGLU in w2's act-quant) (MLP)
     route=route,  # the router after its product: group-limited top-k, weights (Gate)
     moe=moe,  # routed experts, grouped, weighted sum                (MoE)
     side_by_side=side_by_side,  # independent parts of a layer: GPU, streams (MLA, Indexer, MoE)
     decode_rows=decode_rows,  # a round's decode rows: positions, requests, slots  (Meta.decode)
     prepare=dequantize_weights,  # the weights as the ops read them, once at load (Transformer.bind)
-    attn_dtype=acc_dtype,  # storage dtype of W_UK, W_UV, not attention's (kernels.py: bf16, exact)
+    attn_dtype=acc_dtype,  # dtype of W_UK, W_UV (kernels.py: bf16, exact), so of dense attention's inputs
 )  # (Part 2 adds the engine's ops: sample, probs_from_logits, rejection_sample, read_back)
 
 
@@ -975,7 +975,7 @@ USER = "<｜User｜>"
 ASSISTANT = "<｜Assistant｜>"
 THINK = "<think>"
 END_THINK = "</think>"
-SPECIAL_TOKENS = (BOS, EOS, USER, ASSISTANT, THINK, END_THINK)  # token ids 0..5 in DeepSeek's tokenizer
+SPECIAL_TOKENS = (BOS, EOS, USER, ASSISTANT, THINK, END_THINK)  # one token each (ids 0, 1, 128798-128804)
 
 
 def encode_chat(messages, thinking=False) -> str:
@@ -1009,7 +1009,7 @@ M32 = 0xFFFFFFFF
 
 
 def mix32(x):
-    """A 32-bit integer hash (lowbias32) of x: int64 holding 32-bit values (the products stay below 2^63)."""
+    """A 32-bit hash of x (xorshift-multiply by 0x45D9F3B, twice), in int64 (the products stay below 2^63)."""
     x = ((x >> 16) ^ x) * 0x45D9F3B & M32
     x = ((x >> 16) ^ x) * 0x45D9F3B & M32
     return (x >> 16) ^ x
@@ -1028,8 +1028,8 @@ def uniform(seeds, positions, stream, n):
 def exponential(u):
     """E = -log(1 - u) ~ Exp(1) for u uniform, computed as log1p is (Goldberg's form): exact where u is small,
     where the race decides the unlikely tokens (-log u, whose u near 1 is only as fine as 2^-24, floored E at
-    6e-8). u = 1 (fp32's rounding of 2^-25 of them) counts as 1 - 2^-25: E = 17.3, not inf, which would leave
-    p / E = 0 and let a token of probability 0 win where this one alone has p > 0."""
+    6e-8). u = 1 (2^-25 of draws round to it in fp32) counts as 1 - 2^-25: E = 17.3, not inf, which would
+    leave p / E = 0 and let a token of probability 0 win where this one alone has p > 0."""
     w = (1 - u).clamp(min=2**-25)
     return torch.where(w == 1, u, -torch.log(w) * u / (1 - w))
 
@@ -1045,8 +1045,8 @@ def sample(probs, seeds, positions, stream):
 def probs_from_logits(logits, temperature, top_p):
     """fp32 logits [..., V] -> each row's sampling distribution: softmax(logits / T) cut to the top-p nucleus
     (the most likely tokens until they hold top_p) and renormalized; one-hot on the argmax where T = 0
-    (greedy). temperature, top_p [...] per row. No row sum: torch orders a sum's terms by the number of rows,
-    so a row's total is the last of its cumulative sums, and its bits do not depend on its batch."""
+    (greedy). temperature, top_p [...] per row. No row sum (torch's summation order depends on the row count):
+    a row's total is its last cumulative sum, whose bits do not depend on its batch."""
     greedy = (temperature == 0)[..., None]  # (sampling_kernels.probs_from_logits: no sort)
     p = torch.softmax(logits.to(acc_dtype(logits)) / torch.where(greedy, 1.0, temperature[..., None]), -1)
     sp, si = p.sort(dim=-1, descending=True, stable=True)
@@ -1121,7 +1121,7 @@ def accept(ops, batch: Batch, logits):
     return ops.rejection_sample(p, batch.q, batch.tokens[:, 1:], batch.seeds, batch.start)
 
 
-# the kernel boundary's engine ops (sampling_kernels.py on a GPU: a launch or two each; the references ~20-30)
+# the kernel boundary's engine ops (sampling_kernels.py on a GPU: 1-13 launches each; the references ~20-30)
 TORCH_OPS.sample, TORCH_OPS.probs_from_logits = sample, probs_from_logits
 TORCH_OPS.rejection_sample = rejection_sample
 
@@ -1176,7 +1176,7 @@ class Result:
     finish_reason: str = None
 
 
-# ---- The KV page pool: a request owns pages; position p lives in slot pages[p // P] * P + p % P ------------
+# ---- The KV page pool: request position p is slot pages[p // ps] * ps + p % ps (ps: page_size) -------------
 class PagePool:
     """Hands out the KV cache's slots by pages of `page_size`. Page 0 is never given out: its slot 0 is the
     dummy slot, written by rows that hold no real token (a CUDA graph's padding rows, which fill a batch up to
@@ -1246,9 +1246,9 @@ class PagePool:
 
 # ---- The scheduler: admission, chunked prefill, preemption -------------------------------------------------
 def round_lookahead(num_draft):
-    """Positions past num_cached L (the host's, a round behind: LLM) that the next decode round needs, k =
-    num_draft. The round in flight moves L to L' <= L+k+1; the next writes L'..L'+k (verify) and up to
-    L'+2k-1 <= L+3k (its k-1 draft steps): 3k+1 past L, and 3k+2 so that k = 0 (writing L+1) fits too."""
+    """How many positions from L = num_cached (the host's value, a round stale: LLM) the next round may
+    write; k = num_draft. The round in flight moves L to L' <= L+k+1; the next writes L'..L'+k (verify) and
+    up to L'+2k-1 <= L+3k (its k-1 draft steps): 3k+1 past L, and 3k+2 so that k = 0 (writing L+1) fits."""
     return 3 * num_draft + 2
 
 
