@@ -356,9 +356,8 @@ def to_device(x: torch.Tensor, device) -> torch.Tensor:
 
 
 def decode_rows(start, n, table):
-    """Decode rows, n per request, request b's at positions start[b] .. start[b] + n - 1 (for Meta.decode; the
-    op decode_rows, one launch on a GPU): start [B], table [B, W] -> (positions, row_req, slots, ctx_lens)
-    [B*n] each."""
+    """Meta.decode's rows, n per request at positions start[b] .. start[b] + n - 1 (the op decode_rows, one
+    launch on a GPU): start [B], table [B, W] -> (positions, row_req, slots, ctx_lens) [B*n] each."""
     positions = (start[:, None] + torch.arange(n, device=start.device)).flatten()
     rows = torch.arange(len(start), device=start.device).repeat_interleave(n)
     return positions, rows, table[rows, positions], positions + 1
@@ -376,8 +375,7 @@ class Meta:
     row_req: torch.Tensor  # [T] request (row of `table`) each row belongs to
     table: torch.Tensor  # [B, W] table[b, p]: request b's position p's KV-pool slot (PagePool.table)
     cu_seqlens: list  # [B + 1] host: row offsets of each request
-    slots: torch.Tensor  # [T] slot each row's token is written to: its position's (draft-extend's rows past
-    # what a request emitted write the dummy slot 0: PagePool)
+    slots: torch.Tensor  # [T] the slot each row writes: its position's, or the dummy slot 0 (PagePool)
     ctx_lens: torch.Tensor  # [T] each row's causal length: position + 1
 
     @property
@@ -1121,11 +1119,6 @@ def accept(ops, batch: Batch, logits):
     return ops.rejection_sample(p, batch.q, batch.tokens[:, 1:], batch.seeds, batch.start)
 
 
-# the kernel boundary's engine ops (sampling_kernels.py on a GPU: 1-13 launches each; the references ~20-30)
-TORCH_OPS.sample, TORCH_OPS.probs_from_logits = sample, probs_from_logits
-TORCH_OPS.rejection_sample = rejection_sample
-
-
 # ---- Requests and results ----------------------------------------------------------------------------------
 @dataclass(eq=False)
 class Request:
@@ -1398,7 +1391,9 @@ def read_back(x):
     return x.tolist
 
 
-TORCH_OPS.read_back = read_back  # (the kernel boundary's last engine op)
+# the kernel boundary's engine ops (GPU: sampling_kernels.py, 1-13 launches each, the references ~20-30)
+TORCH_OPS.sample, TORCH_OPS.probs_from_logits = sample, probs_from_logits
+TORCH_OPS.rejection_sample, TORCH_OPS.read_back = rejection_sample, read_back
 
 
 # ---- CUDA graphs: the speculative round captured per batch-size bucket -------------------------------------
