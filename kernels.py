@@ -17,6 +17,7 @@ one on a CUDA device alone.
 import gc
 import sys
 import time
+from dataclasses import replace
 from types import SimpleNamespace
 
 import torch
@@ -891,6 +892,47 @@ def decode_rows(start, n, table):
     return out.unbind()
 
 
+@triton.jit
+def _take_kernel(
+    ids_ptr,
+    tok,
+    start,
+    seeds,
+    temp,
+    top_p,
+    o_tok,
+    o_start,
+    o_seeds,
+    o_temp,
+    o_top_p,
+    N,
+    BLOCK_N: tl.constexpr,
+):
+    """Row b of take: the small fields of row ids[b] (N tokens a row)."""
+    b = tl.program_id(0)
+    row = tl.load(ids_ptr + b).to(tl.int64)
+    j = tl.arange(0, BLOCK_N)
+    tl.store(o_tok + b * N + j, tl.load(tok + row * N + j, mask=j < N), mask=j < N)
+    tl.store(o_start + b, tl.load(start + row))
+    tl.store(o_seeds + b, tl.load(seeds + row))
+    tl.store(o_temp + b, tl.load(temp + row))
+    tl.store(o_top_p + b, tl.load(top_p + row))
+
+
+def take(batch, ids):
+    """Kernel of nano_nsa.Batch.take: the rows ids of the small fields in one launch (the reference: a gather
+    a field); q's rows (the drafts' distributions, k x vocab each) by torch's gather."""
+    small = (batch.tokens, batch.start, batch.seeds, batch.temperature, batch.top_p)
+    assert ids.is_contiguous() and all(x.is_contiguous() for x in small)
+    out = [x.new_empty((len(ids), *x.shape[1:])) for x in small]
+    N = batch.tokens.shape[1]
+    if len(ids):
+        _take_kernel[(len(ids),)](ids, *small, *out, N, BLOCK_N=triton.next_power_of_2(N))
+    tokens, start, seeds, temperature, top_p = out
+    q = None if batch.q is None else batch.q[ids]
+    return replace(batch, tokens=tokens, start=start, q=q, seeds=seeds, temperature=temperature, top_p=top_p)
+
+
 def read_back(x):
     """Kernel of nano_nsa.read_back: start copying x to pinned host memory -> a function that waits for that
     copy (an event: work queued after it need not finish) and returns x.tolist()."""
@@ -937,6 +979,7 @@ GPU_OPS = SimpleNamespace(
     probs_from_logits=probs_from_logits,
     rejection_sample=rejection_sample,
     decode_rows=decode_rows,
+    take=take,
     read_back=read_back,
     capture=capture,
     attn_dtype=bf16_dtype,

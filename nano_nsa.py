@@ -1345,7 +1345,7 @@ def speculative_round(model, cache, state: Batch, ids, table):
       extend   MTP rows 10, 11, 12 pair h_p with x_{p+1} = d_1, d_2, t; row 13 writes the dummy slot 0
       draft    L' = 13: the MTP row at 12 drafts d'_1 (position 14), steps at 13 and 14 draft d'_2, d'_3
       next     the round's tokens t, d'_1, d'_2, d'_3 at positions 13..16"""
-    batch = state.take(ids)
+    batch = model.ops.take(state, ids)  # their rows (Batch.take; on a GPU one launch)
     B, n = batch.tokens.shape
     dev = batch.tokens.device
     meta = Meta.decode(model.ops, batch.start, n, table)  # [B*(k+1)] rows at positions L..L+k
@@ -1391,9 +1391,10 @@ def read_back(x):
     return x.tolist
 
 
-# the kernel boundary's engine ops (GPU: sampling_kernels.py, 1-13 launches each, the references ~20-30)
+# the kernel boundary's engine ops (GPU: sampling_kernels.py, 1-13 launches each, the references ~20-30;
+# read_back and take: kernels.py)
 TORCH_OPS.sample, TORCH_OPS.probs_from_logits = sample, probs_from_logits
-TORCH_OPS.rejection_sample, TORCH_OPS.read_back = rejection_sample, read_back
+TORCH_OPS.rejection_sample, TORCH_OPS.read_back, TORCH_OPS.take = rejection_sample, read_back, Batch.take
 
 
 # ---- CUDA graphs: the speculative round captured per batch-size bucket -------------------------------------

@@ -2588,6 +2588,26 @@ def test_gpu_round_metadata_kernels_equal_references():
 
 
 @gpu
+def test_gpu_take_equals_reference():
+    """Batch.take (a round's rows of the decode state) in one launch, bit for bit the reference's: random
+    fields, rows repeated and in any order (padding's row 0 among them), with drafts and without, no rows."""
+    import kernels
+
+    gen = torch.Generator("cuda").manual_seed(7)
+    for k, n, B in ((0, 65, 64), (3, 17, 12), (3, 5, 0), (1, 9, 1)):
+        state = m.Batch.empty(n, k, 100, "cuda")
+        for x in (state.tokens, state.start, state.seeds):
+            x.random_(0, 2**40, generator=gen)
+        for x in (state.temperature, state.top_p) + ((state.q,) if k else ()):
+            x.uniform_(generator=gen)
+        ids = torch.randint(0, n, (B,), device="cuda", generator=gen)
+        ids[: B // 2] = 0
+        want, got = state.take(ids), kernels.take(state, ids)
+        for w, g in zip(vars(want).values(), vars(got).values(), strict=True):
+            assert (w is None and g is None) or torch.equal(w, g), (k, n, B)
+
+
+@gpu
 @pytest.mark.parametrize("C", [512, 256])
 @pytest.mark.parametrize("T", [1, 5, 300])
 def test_gpu_store_latent_matches_reference(T, C):
