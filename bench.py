@@ -418,7 +418,7 @@ def demo_pass(llm, prompts, kind, bs):
 
 
 def demo(args, out):
-    """The demo model's held-out prompts, tokens/s end to end (the median of three passes, the settings
+    """The demo model's held-out prompts, tokens/s end to end (the median of five passes, the settings
     interleaved so that the machine's drift falls on each alike). Greedy at bs=1, --mtp 0, 1, 3: speedup over
     --mtp 0, mean accepted length, whether the tokens equal its. Sampled vs greedy at bs=1 and at one batch of
     every prompt (one generate call), --mtp 0 and 3: their ratio, sampled --mtp 3 / 0, accepted length."""
@@ -430,7 +430,7 @@ def demo(args, out):
     settings += [(kind, k, bs) for kind in ("greedy", "sampled") for k in (0, 3) for bs in (1, n)]
     speeds = {s: [] for s in settings}
     got = {}  # each setting's results (the same in every pass: greedy, or sampled with fixed seeds)
-    for i in range(4):  # pass 0 not timed: JIT builds, the round graphs
+    for i in range(6):  # pass 0 not timed: JIT builds, the round graphs
         for kind, k, bs in settings:
             tok_s, got[kind, k, bs] = demo_pass(llms[k], prompts, kind, bs)
             if i:
@@ -453,13 +453,13 @@ def demo(args, out):
             row = dict(bs=bs, mtp=k, tok_s=tok_s[s], greedy_tok_s=tok_s[g], vs_greedy=tok_s[s] / tok_s[g])
             sampled.append(dict(row, vs_mtp0=tok_s[s] / tok_s["sampled", 0, bs], mean_accept=accept[s]))
     table(
-        f"demo model, bs=1, {n} held-out prompts x 128 new tokens, greedy, CUDA graphs, median of 3 passes",
+        f"demo model, bs=1, {n} held-out prompts x 128 new tokens, greedy, CUDA graphs, median of 5 passes",
         "--mtp | tokens/s | speedup vs --mtp 0 | mean accepted length | requests equal to --mtp 0",
         [tuple(r.values()) for r in greedy],
     )
     table(
         f"demo model, {n} held-out prompts x 128 new tokens, sampled (temperature 0.6, top_p 0.95, fixed "
-        f"seeds) vs greedy; bs={n}: one generate call; CUDA graphs, median of 3 passes",
+        f"seeds) vs greedy; bs={n}: one generate call; CUDA graphs, median of 5 passes",
         "bs | --mtp | sampled tokens/s | greedy tokens/s | sampled / greedy | sampled / sampled --mtp 0 | "
         "mean accepted length (sampled)",
         [tuple(r.values()) for r in sampled],
