@@ -914,10 +914,10 @@ TORCH_OPS = SimpleNamespace(
     route=route,  # the router after its product: group-limited top-k, weights (Gate)
     moe=moe,  # routed experts, grouped, weighted sum                (MoE)
     side_by_side=side_by_side,  # independent parts of a layer: GPU, streams (MLA, Indexer, MoE)
-    decode_rows=decode_rows,  # a round's decode rows: positions, requests, slots  (Meta.decode)
+    decode_rows=decode_rows,  # a round's decode rows: positions, requests, slots, lengths (Meta.decode)
     prepare=dequantize_weights,  # the weights as the ops read them, once at load (Transformer.bind)
     attn_dtype=acc_dtype,  # dtype of W_UK, W_UV (kernels.py: bf16, exact), so of dense attention's inputs
-)  # (Part 2 adds the engine's ops: sample, probs_from_logits, rejection_sample, read_back)
+)  # (Part 2 adds the engine's ops: sample, probs_from_logits, rejection_sample, read_back, take)
 
 
 def select_ops(kernels, device):
