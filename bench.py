@@ -1,10 +1,10 @@
-"""bench.py: nano-nsa measured on a GPU. Prints the device, markdown tables, and one JSON line at the end.
+"""bench.py: nano-nsa measured on a GPU. Prints the device, markdown tables, and one JSON line at the end
+(its device, date and command too: tools/results.py writes docs/results.md from saved runs).
 
   python bench.py decode --layers 9 --mtp 0 1 3  # full width, batch 1-64, context 1K-128K, MTP off / on
   python bench.py demo                           # the trained demo model: MTP vs none, greedy and sampled
 
-Runs under torchrun too; random FP8 weights are built on the GPU, after a check that they fit. Retired modes:
-docs/benchmarks.md.
+Runs under torchrun too; random FP8 weights are built on the GPU, after a check that they fit.
 """
 
 import argparse
@@ -487,6 +487,8 @@ def main():
     if m.tp_rank():  # rank 0 prints the tables and the JSON line (not once per rank)
         sys.stdout = open(os.devnull, "w")
     out = dict(device=torch.cuda.get_device_name(), date=time.strftime("%Y-%m-%d"), torch=torch.__version__)
+    launcher = f"torchrun --nproc-per-node {m.tp_size()}" if m.tp_size() > 1 else "python"
+    out["command"] = " ".join([launcher, os.path.basename(sys.argv[0]), *sys.argv[1:]])
     print(f"device: {out['device']}, torch {out['torch']}, {out['date']}")
     for what in args.what:
         MODES[what](args, out)

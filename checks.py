@@ -1,7 +1,7 @@
 """The checks at nano-nsa's entry points: every fault in a user value is one ValueError line naming the
 argument (the CLI prints it and exits 1), raised before any work. nano_nsa.py calls these; a reader of the
-engine can skip them, and the defaults they leave: the kernel set, the KV pool's size, one seed per prompt.
-(The checks of model files live in hf_checkpoint.py.)"""
+engine can skip them, and the default they leave: the KV pool's size. (The checks of model files, and
+whether a model fits the device, live in hf_checkpoint.py.)"""
 
 import os
 import sys
@@ -10,7 +10,7 @@ from numbers import Integral, Real
 import torch
 import torch.distributed as dist
 
-from parallel import all_reduce, tp_size
+from parallel import all_reduce
 
 
 def require(ok, message):
@@ -51,7 +51,6 @@ SAMPLING = dict(
     max_new_tokens=(int, 0, None, True), temperature=(float, 0), top_p=(float, 0, 1, True), seed=(int,)
 )
 FLAGS = ("return_logits", "thinking", "raw")
-MIN_POOL_TOKENS = 4096  # the smallest KV pool worth loading a model for
 
 
 def check_engine_args(args):
@@ -60,23 +59,6 @@ def check_engine_args(args):
         if not automatic:
             check_arg(name, args[name], int, low)
     check_arg("cuda_graphs", args["cuda_graphs"], bool)
-
-
-def gpu_ops(kernels, device):
-    """kernels.GPU_OPS where they are wanted, else None: kernels 'torch' never, 'gpu' always (an error where
-    they cannot run), 'auto' on a GPU that supports them."""
-    require(
-        kernels in ("auto", "torch", "gpu"), f"kernels must be 'auto', 'torch' or 'gpu' (got {kernels!r})"
-    )
-    on_gpu = torch.device(device).type == "cuda"
-    if kernels == "torch" or (kernels == "auto" and not on_gpu):
-        return None
-    require(on_gpu, f"kernels='gpu' needs a CUDA device (got {device})")
-    import kernels as gpu_kernels  # Triton + flashinfer: imported only on the GPU path
-
-    why = gpu_kernels.unsupported(torch.device(device))
-    require(not why or kernels != "gpu", f"the GPU kernels cannot run here: {why}")
-    return None if why else gpu_kernels.GPU_OPS
 
 
 def check_device(device):
@@ -130,23 +112,6 @@ def pool_pages(kv_cache_bytes, page_size, kv_bytes_per_token, device, lookahead)
     return pages
 
 
-def weight_bytes(cfg, model_class, ranks):
-    """(bytes every rank holds whole, bytes split over the ranks) of the parameters loading allocates, from
-    the layers' shapes on the meta device: split are Linear split, the vocabulary and the routed experts."""
-    with torch.device("meta"):
-        model = model_class(cfg)
-    split_bytes = 0
-    whole_bytes = 0
-    for mod in model.modules():
-        split = type(mod).__name__ == "Embedding" or getattr(mod, "split", None) is not None
-        for p in mod.parameters(recurse=False):
-            if split or p.dim() == 3:  # p.dim() == 3: stacked routed experts
-                split_bytes += p.numel() * p.element_size() * ranks
-            else:
-                whole_bytes += p.numel() * p.element_size()
-    return whole_bytes, split_bytes
-
-
 def check_pool(num_pages, page_size, lookahead):
     """A KV pool that can hold one request: a one-token prompt, one new token and the `lookahead` slots a
     decode round may write past them (a huge page_size or mtp leaves none)."""
@@ -158,50 +123,6 @@ def check_pool(num_pages, page_size, lookahead):
         f" one request's decode round needs ({need}): give a larger kv_cache_bytes, or a smaller page_size"
         " or mtp",
     )
-
-
-def check_fits(cfg, device, model_class, kv_bytes_per_token):
-    """Refuse, before allocating anything, a model whose share of the weights plus a minimal KV pool exceeds
-    this device's free memory (GPU) or the available RAM (CPU), saying what would fit (at how many ranks)."""
-    from hf_checkpoint import tp_ok  # (it imports this module)
-
-    ranks = tp_size()
-    if device.type == "cuda":
-        free = torch.cuda.mem_get_info(device)[0]
-        where = f"{torch.cuda.get_device_name(device)} has {free / 1e9:.1f} GB free"
-    else:
-        free = available_ram()
-        where = f"this machine has {free / 1e9:.1f} GB of RAM available"
-    whole, split = weight_bytes(cfg, model_class, ranks)
-    kv = MIN_POOL_TOKENS * kv_bytes_per_token
-    need = whole + split // ranks + kv
-    if need <= free:
-        return
-    why = f"the model needs {need / 1e9:.1f} GB per rank (weights + a {MIN_POOL_TOKENS}-token KV pool)"
-    why += f", but {where}"
-    allowed = [n for n in (1, 2, 4, 8, 16, 32, 64) if n > ranks and tp_ok(cfg, n)]
-    for n in allowed:
-        per_rank = whole + split // n + kv
-        if per_rank <= free:
-            raise ValueError(
-                f"{why}; it fits with torchrun --nproc-per-node {n} ({per_rank / 1e9:.1f} GB per rank)"
-            )
-    if allowed:
-        per_rank = whole + split // allowed[-1] + kv
-        why += f"; even torchrun --nproc-per-node {allowed[-1]} needs {per_rank / 1e9:.1f} GB per rank"
-    raise ValueError(why)
-
-
-def available_ram():
-    """MemAvailable from /proc/meminfo (what can be allocated without swapping), else the physical memory."""
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
 def is_token_list(p):
@@ -255,16 +176,6 @@ def check_texts(prompts):
             require(
                 bad is None, f"prompt {i} is not valid Unicode text (a lone surrogate at character {bad})"
             )
-
-
-def prompt_seeds(seed, n, device):
-    """generate's seed as one per prompt, in [0, 2^63): a list as given; one seed s: s + i for prompt i; None:
-    a fresh one, the same on every rank."""
-    if seed is None:
-        fresh = torch.tensor([int.from_bytes(os.urandom(6), "little")], device=device)
-        seed = int(all_reduce(fresh, dist.ReduceOp.MAX))
-    seeds = seed if isinstance(seed, (list, tuple)) else [int(seed) + i for i in range(n)]
-    return [int(s) % 2**63 for s in seeds]  # (int: numpy integers pass the check, and would overflow here)
 
 
 def check_prompt(i, ids, max_new, vocab_size, max_context, capacity, lookahead):

@@ -1,6 +1,6 @@
-"""The command line of `python nano_nsa.py`: its options, reading prompts, streaming text, printing results,
-generate's stats (LLM.stats) and leaving torchrun's process group. nano_nsa.main ties them to the engine; a
-reader of the engine can skip this file."""
+"""The command line of `python nano_nsa.py`: its options, reading prompts, streaming text, printing results
+and generate's stats (LLM.stats), and leaving torchrun's process group. nano_nsa.main ties them to the
+engine; a reader of the engine can skip this file."""
 
 import argparse
 import functools
@@ -11,6 +11,7 @@ import sys
 import torch
 import torch.distributed as dist
 
+import hf_checkpoint
 from checks import SAMPLING, check_arg, check_modes, check_texts, require
 
 
@@ -23,8 +24,9 @@ def parse(argv):
     ap.add_argument("--prompt", action="append", default=[], help="prompt text (repeatable)")
     ap.add_argument("--prompt-file", help="a file with one prompt per line")
     ap.add_argument("--max-new-tokens", type=int, default=64)
-    ap.add_argument("--temperature", type=float, default=0.0)
-    ap.add_argument("--top-p", type=float, default=1.0)
+    from_model = "default: the model's generation_config.json, else "
+    ap.add_argument("--temperature", type=float, help=from_model + "0 (greedy)")
+    ap.add_argument("--top-p", type=float, help=from_model + "1")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--mtp", type=int, default=1, help="draft tokens per round (0 = no speculative decoding)")
     ap.add_argument("--device", help="cpu or cuda (default: cuda if available)")
@@ -37,6 +39,8 @@ def parse(argv):
     ap.add_argument("--kernels", default="auto", choices=["auto", "torch", "gpu"], help=kernels_help)
     ap.add_argument("--no-cuda-graphs", action="store_true", help="run decode rounds eagerly (GPU)")
     ap.add_argument("--json", action="store_true", help="print one JSON document instead of streaming text")
+    explain_help = "narrate the request's prefill and first rounds (explain.py; one prompt; no CUDA graphs)"
+    ap.add_argument("--explain", action="store_true", help=explain_help)
     ap.error = lambda message: ap.exit(2, f"error: {message}\n")
     return ap.parse_args(argv)
 
@@ -54,9 +58,11 @@ def read_prompts(args):
         require(lines, f"{args.prompt_file}: no prompt in it (one a line; blank lines are skipped)")
         prompts += lines
     require(prompts, "give at least one --prompt or a --prompt-file")
+    require(not args.explain or len(prompts) == 1, f"--explain takes one prompt (got {len(prompts)})")
     check_texts(prompts)
     for name, rule in SAMPLING.items():
-        check_arg(name, getattr(args, name), *rule)
+        if getattr(args, name) is not None:  # (temperature, top_p: None takes the model's defaults)
+            check_arg(name, getattr(args, name), *rule)
     check_modes(args.thinking, args.raw)
     return prompts
 
@@ -73,13 +79,18 @@ def engine_options(args):
         mtp=args.mtp,
         max_context=args.max_context,
         kernels=args.kernels,
-        cuda_graphs=not args.no_cuda_graphs,
+        cuda_graphs=not (args.no_cuda_graphs or args.explain),  # (--explain reads each op's tensors)
     )
 
 
 def generate_options(args):
+    """generate's options from the flags; temperature and top_p not given: the checkpoint's decoding defaults
+    (hf_checkpoint.generation_defaults), else greedy."""
     names = ("max_new_tokens", "temperature", "top_p", "seed", "thinking", "raw")
-    return {name: getattr(args, name) for name in names}
+    options = {name: getattr(args, name) for name in names}
+    model_dir = args.model or hf_checkpoint.default_model_dir()
+    defaults = dict(temperature=0.0, top_p=1.0) | hf_checkpoint.generation_defaults(model_dir)
+    return options | {name: defaults[name] for name in defaults if options[name] is None}
 
 
 def streams(args, prompts):
@@ -134,18 +145,6 @@ class TextStream:
             self.printed = text
 
 
-def summary(reqs, seconds, rounds, preemptions, num_draft):
-    """LLM.stats: a generate's speed, decode rounds, preemptions and MTP acceptance."""
-    tokens = sum(len(r.generated) for r in reqs)
-    accepts = [a for r in reqs for a in r.accept_lengths]
-    stats = dict(tokens=tokens, seconds=seconds, tokens_per_s=tokens / seconds, decode_rounds=rounds)
-    stats.update(preemptions=preemptions, mean_accept_length=None, accept_histogram={})
-    if accepts:
-        stats["mean_accept_length"] = sum(accepts) / len(accepts)
-        stats["accept_histogram"] = {n: accepts.count(n) for n in range(1, num_draft + 2)}
-    return stats
-
-
 def print_results(args, prompts, results, stats, stream):
     """The texts (the rest of a streamed one: stream held back an unfinished character at its end), or one
     JSON document, then a line of stats on stderr."""
@@ -172,7 +171,11 @@ def print_results(args, prompts, results, stats, stream):
         spec = f", mean accepted length {stats['mean_accept_length']:.2f}"
         spec += f", acceptance histogram {stats['accept_histogram']}"
     speed = f"{stats['tokens']} tokens in {stats['seconds']:.2f} s, {stats['tokens_per_s']:.1f} tokens/s"
-    print(f"[{speed}{spec}]", file=sys.stderr)
+    n, k = stats["longest_context"], stats["index_topk"]
+    dsa = f"; DSA: every token saw all of its <= {n} positions (fewer than top-{k})"
+    if n > k:
+        dsa = f"; DSA: each token attended to the indexer's top {k} of its up to {n} positions"
+    print(f"[{speed}{spec}{dsa}]", file=sys.stderr)
 
 
 def end_distributed(graphed):

@@ -14,6 +14,7 @@ import os
 import torch
 
 from checks import check_arg, require
+from parallel import tp_size
 
 BLOCK = 128  # FP8 block size (nano_nsa.BLOCK)
 FP8 = torch.float8_e4m3fn
@@ -507,6 +508,23 @@ def load_tokenizer(model_dir, cfg, special_tokens, bos, eos):
     return tok
 
 
+def generation_defaults(path):
+    """The decoding defaults a checkpoint ships in generation_config.json, as HF and vLLM read them:
+    {temperature, top_p} (do_sample false: greedy), {} without the file. The command line's flags override."""
+    file = os.path.join(path, "generation_config.json")
+    if not os.path.isfile(file):
+        return {}
+    g = read_json(file)
+    found = {name: g[name] for name in ("temperature", "top_p") if name in g}
+    if g.get("do_sample") is False:
+        found["temperature"] = 0.0
+    for name, value in found.items():
+        check_arg(
+            f"{file}: {name}", value, float, 0, 1 if name == "top_p" else None, open_low=name == "top_p"
+        )
+    return found
+
+
 DEMO_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "demo")
 
 
@@ -517,3 +535,66 @@ def default_model_dir():
     present = os.path.isfile(os.path.join(DEMO_DIR, "model.safetensors.index.json"))
     require(present, f"no --model given, and the demo checkpoint is missing from {DEMO_DIR}")
     return DEMO_DIR
+
+
+# ---- Will it fit: the weights' bytes and a minimal KV pool against the device's memory -------------------
+MIN_POOL_TOKENS = 4096  # the smallest KV pool worth loading a model for
+
+
+def weight_bytes(cfg, model_class, ranks):
+    """(bytes every rank holds whole, bytes split over the ranks) of the parameters loading allocates, from
+    the layers' shapes on the meta device: split are Linear split, the vocabulary and the routed experts."""
+    with torch.device("meta"):
+        model = model_class(cfg)
+    split_bytes = 0
+    whole_bytes = 0
+    for mod in model.modules():
+        split = type(mod).__name__ == "Embedding" or getattr(mod, "split", None) is not None
+        for p in mod.parameters(recurse=False):
+            if split or p.dim() == 3:  # p.dim() == 3: stacked routed experts
+                split_bytes += p.numel() * p.element_size() * ranks
+            else:
+                whole_bytes += p.numel() * p.element_size()
+    return whole_bytes, split_bytes
+
+
+def check_fits(cfg, device, model_class, kv_bytes_per_token):
+    """Refuse, before allocating anything, a model whose share of the weights plus a minimal KV pool exceeds
+    this device's free memory (GPU) or the available RAM (CPU), saying what would fit (at how many ranks)."""
+    ranks = tp_size()
+    if device.type == "cuda":
+        free = torch.cuda.mem_get_info(device)[0]
+        where = f"{torch.cuda.get_device_name(device)} has {free / 1e9:.1f} GB free"
+    else:
+        free = available_ram()
+        where = f"this machine has {free / 1e9:.1f} GB of RAM available"
+    whole, split = weight_bytes(cfg, model_class, ranks)
+    kv = MIN_POOL_TOKENS * kv_bytes_per_token
+    need = whole + split // ranks + kv
+    if need <= free:
+        return
+    why = f"the model needs {need / 1e9:.1f} GB per rank (weights + a {MIN_POOL_TOKENS}-token KV pool)"
+    why += f", but {where}"
+    allowed = [n for n in (1, 2, 4, 8, 16, 32, 64) if n > ranks and tp_ok(cfg, n)]
+    for n in allowed:
+        per_rank = whole + split // n + kv
+        if per_rank <= free:
+            raise ValueError(
+                f"{why}; it fits with torchrun --nproc-per-node {n} ({per_rank / 1e9:.1f} GB per rank)"
+            )
+    if allowed:
+        per_rank = whole + split // allowed[-1] + kv
+        why += f"; even torchrun --nproc-per-node {allowed[-1]} needs {per_rank / 1e9:.1f} GB per rank"
+    raise ValueError(why)
+
+
+def available_ram():
+    """MemAvailable from /proc/meminfo (what can be allocated without swapping), else the physical memory."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")

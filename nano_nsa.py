@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import functools
 import math
+import os
 import sys
 import time
 from dataclasses import dataclass, field, fields, replace
@@ -30,6 +31,7 @@ from itertools import accumulate
 from types import SimpleNamespace
 
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
@@ -205,7 +207,7 @@ class Linear(nn.Module):
     def __init__(self, in_features, out_features, fp8=True, dtype=BF16, n=None, split=None):
         super().__init__()
         self.fp8 = fp8
-        self.split = split  # (checks.weight_bytes counts a split weight's bytes as shared by the ranks)
+        self.split = split  # (hf_checkpoint.weight_bytes counts a split weight's bytes as the ranks')
         self.partial = split == "row"  # output unrounded (Block)
         if split == "col":
             out_features //= tp_size()
@@ -923,7 +925,17 @@ TORCH_OPS = SimpleNamespace(
 def select_ops(kernels, device):
     """The kernel set for a device: 'torch' the references; 'gpu' kernels.py (an error where it cannot run);
     'auto' kernels.py on a GPU that supports it, else the references."""
-    return checks.gpu_ops(kernels, device) or TORCH_OPS
+    known = kernels in ("auto", "torch", "gpu")
+    require(known, f"kernels must be 'auto', 'torch' or 'gpu' (got {kernels!r})")
+    on_gpu = torch.device(device).type == "cuda"
+    require(on_gpu or kernels != "gpu", f"kernels='gpu' needs a CUDA device (got {device})")
+    if kernels == "torch" or not on_gpu:
+        return TORCH_OPS
+    import kernels as gpu_kernels  # Triton (and flashinfer on Blackwell): imported on the GPU path only
+
+    why = gpu_kernels.unsupported(torch.device(device))
+    require(not why or kernels != "gpu", f"the GPU kernels cannot run here: {why}")
+    return TORCH_OPS if why else gpu_kernels.GPU_OPS
 
 
 # ---- Tensor and expert parallelism (torchrun): each rank holds a shard of the weights ----------------------
@@ -1120,6 +1132,16 @@ def accept(ops, batch: Batch, logits):
 
 
 # ---- Requests and results ----------------------------------------------------------------------------------
+def prompt_seeds(seed, n, device):
+    """generate's seed as one per prompt, in [0, 2^63): a list as given; one seed s: s + i for prompt i; None:
+    a fresh one, the same on every rank."""
+    if seed is None:
+        fresh = torch.tensor([int.from_bytes(os.urandom(6), "little")], device=device)
+        seed = int(all_reduce(fresh, dist.ReduceOp.MAX))
+    seeds = seed if isinstance(seed, (list, tuple)) else [int(seed) + i for i in range(n)]
+    return [int(s) % 2**63 for s in seeds]  # (int: numpy integers pass the check, and would overflow here)
+
+
 @dataclass(eq=False)
 class Request:
     idx: int  # position in the caller's prompt list
@@ -1457,16 +1479,20 @@ class CudaGraphs:
 
 
 # ---- LLM: the engine, tying the parts together -------------------------------------------------------------
+# One request's life (docs/serving.md draws it), step by step:
+#   generate   its prompt becomes tokens and a Request, queued in the scheduler (make_requests)
+#   admit      it runs once the batch has room and the pool has pages for its prompt (Scheduler.admit)
+#   prefill    prefill steps write the KV of every prompt position but the last, in chunks (LLM.prefill)
+#   start      it gets a row of the decode state: its last prompt token and first drafts (LLM.start)
+#   rounds     each decode step is one speculative round of every running request; it emits 1 to k+1 tokens
+#              a round (LLM.decode: speculative_round, then LLM.apply and Request.emit)
+#   finish     at EOS or max_new_tokens; retire gives its pages and its row back (Scheduler.retire)
+#   result     its tokens and text (LLM.result)
+# Read LLM.decode first as if the host waited for each round. It does not: it keeps one round in flight, "the
+# host one round ahead", the last methods of LLM, a mechanism to skip on a first read.
 class LLM:
-    """DeepSeek-V3.2 engine: generate() admits requests, then runs steps (schedule, prefill or decode round,
-    retire) until every request is done. A decode round is speculative_round over every running request (from
-    a CUDA graph where the engine has them), read back once, and starts from the inputs the round before left
-    on the device (each request's row of `state`): so the host keeps one round in flight, whether the batch
-    changed or not. A decode step with round n in flight: schedule reserves pages for round n+1 (num_cached is
-    still from before round n: round_lookahead); decode launches round n+1, then reads round n back and
-    applies it while the GPU runs n+1 (LLM.apply; near the end round n first: LLM.decode); retire frees the
-    pages and row of a request round n finished. Round n+1 still runs for it, writing only into those, and the
-    GPU runs in launch order, so their next owner writes after it."""
+    """DeepSeek-V3.2 engine: generate() queues requests, then runs steps (schedule; a prefill step or a decode
+    round; retire) until every request is done."""
 
     def __init__(
         self,
@@ -1492,7 +1518,7 @@ class LLM:
         require(mtp == 0 or self.cfg.n_mtp_layers > 0, f"mtp={mtp}: needs a checkpoint with an MTP layer")
         kv_bytes = KVCache.bytes_per_token(self.cfg, mtp > 0)  # a token's KV in every layer that keeps it
         if model is None:  # before any allocation
-            checks.check_fits(self.cfg, self.device, Transformer, kv_bytes)
+            hf_checkpoint.check_fits(self.cfg, self.device, Transformer, kv_bytes)
         self.tokenizer = hf_checkpoint.load_tokenizer(model_dir, self.cfg, SPECIAL_TOKENS, BOS, EOS)
         checks.check_pool_bytes(kv_cache_bytes, kv_bytes * page_size, self.device)
         self.model = model or load_model(model_dir, self.device, kernels, self.cfg)
@@ -1562,7 +1588,7 @@ class LLM:
             self.scheduler.drop_all()
             raise
         seconds = time.perf_counter() - t0
-        self.stats = cli.summary(reqs, seconds, rounds, self.scheduler.preemptions, self.num_draft)
+        self.stats = self.summary(reqs, seconds, rounds)
         return [self.result(r, return_logits) for r in reqs]
 
     def prefill(self, chunks):
@@ -1590,17 +1616,20 @@ class LLM:
         self.start([r for r, _ in done], guess)  # they decode from now on: their rows of the decode state
 
     def decode(self, reqs):
-        """Launch one speculative round of `reqs` from their rows of the decode state (LLM.start writes a
-        request's first), then apply the round before (LLM.apply); near the end, when the round in flight may
-        finish every request, apply it first (a round launched after it could be wasted work that generate
-        waits for). Returns whether a round was launched."""
-        near_end = all(len(r.generated) + self.num_draft + 1 >= r.max_new_tokens for r in reqs)
-        if near_end:
-            self.settle()
-            reqs = [r for r in reqs if r.finish is None]
-            if not reqs:
-                return False
+        """One speculative round of `reqs`, from their rows of the decode state (LLM.start writes a request's
+        first): launched, then applied, each request emitting what it accepted (LLM.apply). Returns whether a
+        round was launched. (The host applies the round before instead: run_ahead.)"""
+        reqs = self.settle_near_end(reqs)
+        if not reqs:
+            return False
         self.start([r for r in reqs if r.row is None])
+        emitted, logits = self.launch(reqs)
+        self.run_ahead(reqs, self.model.ops.read_back(emitted), logits)
+        return True
+
+    def launch(self, reqs):
+        """Queue speculative_round for reqs (a CUDA graph's replay where the engine has them) -> its outputs
+        (emitted [B, k+2], logits [B, k+1, V]), which the GPU is still computing."""
         if self.rows[0] != reqs:  # the batch's rows of the decode state (on the device, kept while it stays)
             self.rows = (reqs, to_device(torch.tensor([r.row for r in reqs]), self.device))
         ids = self.rows[1]
@@ -1612,11 +1641,7 @@ class LLM:
             emitted, logits = speculative_round(self.model, self.cache, self.state, ids, table)
         if any(r.return_logits for r in reqs):  # (a CUDA graph's next replay overwrites them)
             logits = logits.clone()
-        # round n+1 is queued; apply round n (None after a settle) now, while the GPU runs n+1
-        previous, self.launched = self.launched, (reqs, self.model.ops.read_back(emitted), logits)
-        if previous:
-            self.apply(*previous)
-        return True
+        return emitted, logits
 
     def start(self, reqs, drafts=None):
         """Give requests whose prompt is prefilled a row of the decode state that no live request holds
@@ -1639,12 +1664,6 @@ class LLM:
             s.tokens[ids, 1:] = drafts
             s.q[ids] = F.one_hot(drafts, self.cfg.vocab_size).to(s.q.dtype)
 
-    def settle(self):
-        """Apply the round in flight, if any (LLM.apply)."""
-        if self.launched is not None:
-            self.apply(*self.launched)
-            self.launched = None
-
     def apply(self, reqs, fetch, logits):
         """Apply a launched round to its requests: each emits its accepted tokens. fetch() waits for the
         round's one read-back (ops.read_back), rows [e_0 .. e_k, count] (the emitted tokens, then how many are
@@ -1664,7 +1683,7 @@ class LLM:
         if temperature > 0:
             temperature = max(temperature, 1e-5)  # as the reference: no overflow in logits / T
         top_p = max(top_p, 1e-30)  # (above 0 in fp32: the nucleus always holds the most likely token)
-        seeds = checks.prompt_seeds(seed, len(prompts), self.device)
+        seeds = prompt_seeds(seed, len(prompts), self.device)
         budgets = checks.per_prompt("max_new_tokens", max_new_tokens, len(prompts))
         room = (self.cfg.vocab_size, self.max_context, self.pool.free_slots, round_lookahead(self.num_draft))
         reqs = []
@@ -1685,6 +1704,50 @@ class LLM:
         if return_logits:
             logits = torch.stack(r.logits) if r.logits else torch.zeros(0, self.cfg.vocab_size)
         return Result(r.generated, self.tokenizer.decode(r.generated), r.accept_lengths, logits, r.finish)
+
+    def summary(self, reqs, seconds, rounds):
+        """LLM.stats: a generate's speed, rounds, preemptions, MTP acceptance, and DSA's sparsity: a row
+        attends to min(index_topk, its causal length) positions, at most the longest request's length."""
+        accepts = [a for r in reqs for a in r.accept_lengths]
+        tokens = sum(len(r.generated) for r in reqs)
+        return dict(
+            tokens=tokens,
+            seconds=seconds,
+            tokens_per_s=tokens / seconds,
+            decode_rounds=rounds,
+            preemptions=self.scheduler.preemptions,
+            mean_accept_length=sum(accepts) / len(accepts) if accepts else None,
+            accept_histogram={n: accepts.count(n) for n in range(1, self.num_draft + 2)} if accepts else {},
+            index_topk=self.cfg.index_topk,
+            longest_context=max((len(r.tokens) for r in reqs), default=0),
+        )
+
+    # ---- The host one round ahead (skip on a first read) ----
+    # decode applies each round one step late: it launches round n+1, then applies round n while the GPU runs
+    # n+1, so the host's work (scheduling, page tables, emitting tokens) hides behind the GPU's, and a round
+    # costs one read-back (ops.read_back). Round n+1 starts from the inputs round n left on the device (each
+    # request's row of `state`), so it needs nothing from the host. It is safe: schedule reserves round n+1's
+    # pages while num_cached is still from before round n (round_lookahead's bound); retire frees the pages
+    # and row of a request that round n finished while n+1 still runs for it, but n+1 writes only into those,
+    # and the GPU runs in launch order, so their next owner writes after it.
+    def run_ahead(self, reqs, fetch, logits):
+        """Keep the round just launched in flight, and apply the one before it (none after a settle)."""
+        previous, self.launched = self.launched, (reqs, fetch, logits)
+        if previous:
+            self.apply(*previous)
+
+    def settle_near_end(self, reqs):
+        """Near the end, when the round in flight may finish every request of `reqs`, apply it first (a round
+        launched after it could be wasted work that generate waits for) -> the requests still unfinished."""
+        if all(len(r.generated) + self.num_draft + 1 >= r.max_new_tokens for r in reqs):
+            self.settle()
+        return [r for r in reqs if r.finish is None]
+
+    def settle(self):
+        """Apply the round in flight, if any (LLM.apply)."""
+        if self.launched is not None:
+            self.apply(*self.launched)
+            self.launched = None
 
 
 @cli.exit_code  # (main's exit codes: 0, 1 for a bad input or too little memory, 130 for Ctrl-C)
