@@ -163,7 +163,7 @@ def print_results(args, prompts, results, stats, stream):
         return
     for p, r in zip(prompts, results, strict=True):
         if stream:
-            print(r.text[len(stream.printed) :])  # the text is out already, but for such a character
+            print(r.text[len(stream.printed) :], flush=True)  # (streamed already, but for such a character)
         else:
             print(f"--- {p!r}\n{r.text}")
     spec = ""

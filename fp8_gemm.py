@@ -1,4 +1,4 @@
-"""FP8 activation quantization, the block-scaled GEMM, and the grouped MoE built on it (spec 3, 6).
+"""FP8 activation quantization, the block-scaled GEMM, and the grouped MoE built on it (docs/model.md §2).
 
 act_quant (1x128 groups, pow2 scales); _gemm: FP8 (or bf16) GEMM with split-K fixed by the weight's shape, the
 partials summed in order by a tile's last program, long weight walks by TMA; fp8_linear, swiglu_linear,

@@ -1,7 +1,7 @@
 """DeepSeek-V3.2's official HuggingFace checkpoint format, and the checks that turn a bad model directory into
 one error line before a weight is read: config.json (its names, the values DeepSeek-V3.2 fixes, every field's
 type and range), the safetensors index and every shard's header against the table of the official tensors
-(names, shapes, dtypes; spec section 2), and tokenizer.json. nano_nsa.py's loader and LLM call
+(names, shapes, dtypes; docs/model.md §8), and tokenizer.json. nano_nsa.py's loader and LLM call
 `open_checkpoint` (config.json, then `check_tensors`); Config calls `check_config` and `read_config`;
 tools/checkpoint.py writes checkpoints from the same table.
 """
@@ -231,7 +231,7 @@ def tp_ok(cfg, n):
     return True
 
 
-# ---- The tensors: the official HF names, shapes and dtypes (spec section 2) --------------------------------
+# ---- The tensors: the official HF names, shapes and dtypes (docs/model.md §8) ------------------------------
 # kinds: "fp8" = float8_e4m3fn weight + float32 `weight_scale_inv` per 128x128 block; "bf16" = plain bf16
 # matrix; "norm" = norm weight (bf16, or fp32 in some conversions); "f32" = fp32 vector (router bias).
 ALLOWED_DTYPES = {
@@ -302,8 +302,8 @@ def ffn_tensors(cfg, prefix, moe):
 
 
 def mtp_tensors(cfg, prefix):
-    """The MTP layer's own tensors outside its decoder block (spec 2.3): embedding and head copies, norms,
-    eh_proj."""
+    """The MTP layer's own tensors outside its decoder block (docs/model.md §8): embedding and head copies,
+    norms, eh_proj."""
     return {
         prefix + "embed_tokens.weight": ([cfg.vocab_size, cfg.dim], "bf16"),
         prefix + "enorm.weight": ([cfg.dim], "norm"),
@@ -467,7 +467,7 @@ def check_tensors(path, cfg):
 
 def check_values(t, name, file):
     """A tensor as read: no nan or inf; an FP8 weight's block scales positive powers of two (scale_fmt ue8m0:
-    what makes a dequantized weight exact in bf16, spec 2.2)."""
+    what makes a dequantized weight exact in bf16, docs/model.md §2)."""
     if t.dtype == FP8:
         bad = t.view(torch.uint8) & 0x7F == 0x7F  # e4m3fn's nan (it has no inf)
     else:

@@ -67,7 +67,7 @@ def unsupported(device: torch.device):
     return None
 
 
-# ---- Lightning indexer: FP8 scores over the paged key cache, causal mask, top-k (spec 3.7) ----
+# ---- Lightning indexer: FP8 scores over the paged key cache, causal mask, top-k (docs/model.md §5) ---------
 RANK_SELECT_PAIRS = 1 << 28  # rows x N^2 key comparisons up to which the rank kernel replaces torch.topk
 
 
@@ -445,7 +445,7 @@ def rms_norm(x, residual, weight, eps):
     return y, res.view(*x.shape[:-1], D)
 
 
-# ---- The router: sigmoid scores, group-limited top-k, routing weights (spec 3.9) ----
+# ---- The router: sigmoid scores, group-limited top-k, routing weights (docs/model.md §6) -------------------
 @triton.jit
 def _route_kernel(
     logits_ptr,

@@ -3,7 +3,7 @@
 Read it top to bottom. Part 1 is the model: Config -> building blocks (the FP8 block format, norms, YaRN RoPE,
 Hadamard) -> forward metadata and the KV cache -> the lightning indexer -> MLA -> MoE -> Block, MTP layer,
 Transformer -> the kernel boundary -> tensor parallelism -> the loader. It computes what DeepSeek's official
-`inference/model.py` computes (../shared/docs/dsv32_spec.md is the specification); where it deliberately
+`inference/model.py` computes (docs/model.md teaches it); where it deliberately
 differs, a comment says why. Part 2 is the engine: chat encoding -> sampling and speculative acceptance ->
 requests -> the KV page pool -> the scheduler -> the speculative round (verify, accept, draft-extend, draft)
 -> CUDA graphs -> `LLM`: generate, its steps (prefill, decode round) -> `main`. What a reader can skip lives
@@ -130,11 +130,10 @@ TINY |= dict(index_n_heads=4, index_topk=32)  # the indexer
 #   tp_size(), tp_rank(), all_reduce()   tensor parallelism ("Tensor parallelism" below): 1, 0 and nothing at
 #              one rank; under torchrun a layer holds its rank's share of the weights and sums the parts
 #              (rank_local(idx, n): idx shifted into this rank's n-row shard, and whether this rank holds it).
-# The FP8 block format (spec 3.3): a weight W [out, in] is stored as float8_e4m3fn W8 with one float32 scale
-# per 128x128 block, a power of two (ue8m0), W = W8 * scale (weight_dequant); an activation is quantized per
-# row in 1x128 groups with power-of-two scales too (act_quant). FP8 times a power of two is exact in fp32,
-# fp64 and bf16, and so is the product of two such values in fp32: only fp8_linear's sums round. On the GPU
-# one block-scaled FP8 GEMM with fp32 sums (fp8_gemm.py), here both dequantized and multiplied in acc_dtype.
+# The FP8 block format (docs/model.md §2): a weight W [out, in] is stored as float8_e4m3fn W8 with one float32
+# scale per 128x128 block, a power of two (ue8m0), W = W8 * scale (weight_dequant); an activation is quantized
+# per row in 1x128 groups with power-of-two scales too (act_quant). Products of such values are exact: only
+# fp8_linear's sums round. On the GPU one block-scaled FP8 GEMM (fp8_gemm.py), here both dequantized.
 def pow2_ceil(x: torch.Tensor) -> torch.Tensor:
     """Smallest power of two >= x (x > 0 normal fp32), exactly, by the reference's exponent bit trick: a
     nonzero mantissa carries into the exponent, then the mantissa is cleared."""
@@ -169,16 +168,15 @@ def weight_dequant(w: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
 
 
 def acc_dtype(x: torch.Tensor):
-    """Accumulation dtype of matmuls: fp32 as the reference on GPU. On CPU fp64, so much wider than fp32 that
-    the order of a sum no longer shows once rounded: results then do not depend on batch shape, so engine
-    modes can be compared token for token."""
+    """Accumulation dtype of matmuls: fp32 on a GPU, as the reference; fp64 on a CPU, where a sum's order then
+    never shows once rounded, so results do not depend on the batch (docs/model.md §10)."""
     return torch.float64 if x.device.type == "cpu" else torch.float32
 
 
 def fp8_linear(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, partial=False) -> torch.Tensor:
-    """y = act_quant(x) @ W^T for a block-scaled FP8 weight, bf16 out (partial: unrounded). Exact operands: it
-    equals the reference `fp8_gemm` up to sum order. act_quant is never skipped: it rounds x to a 3-bit
-    mantissa, as the reference does. scale None: w was dequantized at load (dequantize_weights)."""
+    """y = act_quant(x) @ W^T for a block-scaled FP8 weight, bf16 out (partial: unrounded). Exact operands,
+    only the sums round; act_quant is never skipped (as in the reference). scale None: w was dequantized at
+    load (dequantize_weights)."""
     acc = acc_dtype(x)
     if scale is not None:
         w = weight_dequant(w, scale)
@@ -257,9 +255,9 @@ def side_by_side(first, first_args, second, second_args):
 
 
 def rms_norm(x, residual, weight, eps):
-    """RMSNorm in fp32 with an fp32 weight, bf16 out. x is first rounded to bf16: an attention or FFN half's
-    output (Block) arrives unrounded, rounded here once (the reference's layers return bf16). With `residual`:
-    adds it first (fp32), and also returns the new residual stream in bf16, as the reference's fused form."""
+    """RMSNorm in fp32 with an fp32 weight, bf16 out; x is rounded to bf16 first (a block half's output
+    arrives unrounded: Block). With `residual`: adds it first (fp32), and also returns the new residual
+    stream in bf16, as the reference's fused form."""
     x = x.to(BF16).float()
     if residual is not None:
         x = x + residual.float()
@@ -294,8 +292,9 @@ class Embedding(nn.Module):
 
 
 def yarn_frequencies(cfg: Config):
-    """f'_i, the YaRN-corrected inverse frequencies (spec 3.5): low dims unchanged, high dims / rope_factor, a
-    linear ramp between the dims that turn beta_fast and beta_slow times over original_seq_len."""
+    """f'_i, the YaRN-corrected inverse frequencies (docs/model.md §3): low dims unchanged, high dims
+    divided by rope_factor, a linear ramp between the dims that turn beta_fast and beta_slow times over
+    original_seq_len."""
     d, base = cfg.qk_rope_head_dim, cfg.rope_theta
     freqs = 1.0 / (base ** (torch.arange(0, d, 2, dtype=torch.float32) / d))
 
@@ -306,7 +305,6 @@ def yarn_frequencies(cfg: Config):
     high = min(math.ceil(dim_of(cfg.beta_slow)), d - 1)
     width = high - low if high > low else 0.001
     smooth = 1 - ((torch.arange(d // 2, dtype=torch.float32) - low) / width).clamp(0, 1)  # 1 - the ramp
-    # in the reference's fp32 steps, bit for bit (1 - smooth is not always the ramp in fp32)
     return freqs / cfg.rope_factor * (1 - smooth) + freqs * smooth
 
 
@@ -469,7 +467,7 @@ class KVCache:
         return self.latent, self.ik, self.iks
 
 
-# ---- Lightning indexer (DSA, DeepSeek Sparse Attention): the top-K context positions of a row (spec 3.7) ---
+# ---- Lightning indexer (DSA): the top-K context positions of a row (docs/model.md §5) ---------------------
 def index_quant(x, cos, sin):
     """The indexer's q [T, I, J] or k [T, J] before scoring: RoPE on the FIRST R dims (half-split pairs,
     unlike MLA), Hadamard, then FP8 with one pow2 scale per 128-vector -> (fp8 like x, scales [..., 1])."""
@@ -497,11 +495,10 @@ def index_scores(q8, w, k8, ks):
 
 def topk_positions(scores, ctx_lens, topk):
     """Top-min(topk, N) positions of each row among its causal context (n < ctx_lens[t]); -1 pads short
-    rows. A row whose context fits in top-k selects all of it, in position order (as the kernel returns it:
-    the tests compare the two index for index)."""
+    rows. A row whose context fits in top-k selects all of it, in position order (as the kernel does)."""
     n = torch.arange(scores.shape[-1], device=scores.device)
     scores = scores.masked_fill(n[None, :] >= ctx_lens[:, None], float("-inf"))  # causal mask before top-k
-    # Ties (exact zeros from the ReLU are common) go to the earliest position: top_indices
+    # ties (ReLU's exact zeros are common) to the earliest position: top_indices
     idx = top_indices(scores, min(topk, scores.shape[-1]))
     idx = torch.where((ctx_lens <= topk)[:, None], n[: idx.shape[-1]], idx)  # (all of it, in order)
     return torch.where(idx < ctx_lens[:, None], idx, -1)
@@ -509,7 +506,7 @@ def topk_positions(scores, ctx_lens, topk):
 
 def head_weights(weights, scale, qs):
     """Each query head's weight in the indexer's score: weights_proj's output [T, I] times the constant
-    `scale` (I^-0.5 J^-0.5, spec 3.7) and the head's FP8 query scale qs [T, I, 1] -> [T, I]."""
+    `scale` (I^-0.5 J^-0.5, docs/model.md §5) and the head's FP8 query scale qs [T, I, 1] -> [T, I]."""
     return weights * scale * qs[..., 0]
 
 
@@ -557,9 +554,9 @@ class Indexer(nn.Module):
         return self.ops.index_quant(q, cos, sin)
 
 
-# ---- MLA: multi-head latent attention over the indexer's selection (spec 3.6, 3.8) -------------------------
+# ---- MLA: multi-head latent attention over the indexer's selection (docs/model.md §4) ----------------------
 # The sparse MLA reference runs its rows in blocks whose gathered latents (rows x K x (C + R), 8-byte fp64s on
-# the CPU) take at most about this much, to stay in cache; rows are computed alone: any block size, same bits.
+# the CPU) take at most about this much, to stay in cache (rows are computed alone: any size, the same bits).
 SPARSE_MLA_BLOCK_BYTES = 8 << 20
 
 
@@ -628,9 +625,8 @@ class MLA(nn.Module):
         self.indexer = Indexer(cfg)
 
     def forward(self, x, cos, sin, meta: Meta, cache: LayerCache):
-        """-> this rank's heads' part of the output projection [T, dim], unrounded. Attention math runs in
-        acc_dtype where the reference rounds intermediates to bf16: fused kernels keep fp32 too, and the
-        per-head and absorbed forms become the same function."""
+        """-> this rank's heads' part of the output projection [T, dim], unrounded. Attention runs in
+        acc_dtype (docs/model.md §10), so the per-head and absorbed forms are the same function."""
         cfg = self.cfg
         C, R = cfg.kv_lora_rank, cfg.qk_rope_head_dim
         # the three products of x: MLA's query and latent projections, the indexer's key (one GEMM on a GPU)
@@ -641,8 +637,8 @@ class MLA(nn.Module):
         self.ops.store_latent(kv, k_pe, norm.weight, norm.eps, cos, sin, cache, meta.slots)
         # Prompt chunks whose whole context fits in top-k select every position: plain causal attention (the
         # per-head form). Decode rows always take the sparse absorbed form (absorbing one query row costs less
-        # than expanding its context), prompt chunks with longer contexts too. A step never mixes the two
-        # kinds of chunk (Scheduler.prefill_chunks): a chunk's form never depends on its batchmates.
+        # than expanding its context), prompt chunks with longer contexts too. (A step never mixes the two
+        # kinds of chunk: Scheduler.prefill_chunks.)
         sparse = meta.mode == "decode" or meta.max_ctx > cfg.index_topk
         # the queries (q: q_abs [T, H, C] if sparse, else q_nope [T, H, D]) beside the indexer's selection
         (q, q_pe), selected = self.ops.side_by_side(
@@ -681,7 +677,7 @@ class MLA(nn.Module):
         return torch.cat(out)
 
 
-# ---- Feed-forward: SwiGLU MLP and the sigmoid-routed, group-limited MoE (spec 3.4, 3.9) --------------------
+# ---- Feed-forward: SwiGLU MLP and the sigmoid-routed, group-limited MoE (docs/model.md §3, §6) -------------
 class MLP(nn.Module):
     """SwiGLU (mlp). A rank holds inter_dim / tp_size() of it: its output is unrounded (Block)."""
 
@@ -700,8 +696,7 @@ def route(logits, bias, groups, top_groups, top_experts, scale):
     Sigmoid scores; the bias only steers selection: the top_groups groups by their top-2 biased scores' sum,
     then the top_experts experts in them; weights: the unbiased scores renormalized, times scale."""
     T = logits.shape[0]
-    # [T, E] fp32: sigmoid(x) as the softmax of (x, 0), row by row (torch's CPU sigmoid computes the elements
-    # its vector loop leaves over with other code, so a row's scores would depend on its place in the batch)
+    # [T, E] fp32: sigmoid(x) as the softmax of (x, 0), row by row (torch's CPU sigmoid is not: model.md §10)
     scores = torch.stack([logits, torch.zeros_like(logits)], -1).softmax(-1)[..., 0]
     biased = (scores + bias).view(T, groups, -1)  # [T, G, E/G]
     group_score = biased.topk(2, dim=-1).values.sum(-1)  # [T, G]
@@ -741,8 +736,7 @@ def moe(x, weights, idx, experts):
     chose it, summed with their routing weights in fp32. x [T, dim] bf16; weights, idx [T, A] (idx E: another
     rank's expert: MoE.routed); experts.w1, w3 [E, F, dim], w2 [E, dim, F] FP8 stacks -> [T, dim] fp32.
     Grouped as the kernel: one SwiGLU MLP (mlp) per expert over the rows of the tokens that chose it, tokens
-    ascending (act_quant is per row: the kernel's one quantization of x gives these rows' values); the experts
-    in ascending order, so each token's outputs are summed in that order."""
+    and experts ascending, so each token's outputs are summed in that order."""
     y = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
     for e in idx[idx < experts.w1.weight.shape[0]].unique().tolist():  # (idx E: another rank's, skipped)
         t, a = (idx == e).nonzero(as_tuple=True)  # the tokens that chose e, and which choice it was
@@ -778,7 +772,7 @@ class MoE(nn.Module):
         return self.ops.moe(x, weights, idx, self.experts)
 
 
-# ---- Block, MTP layer, Transformer (spec 3.10, 3.11) -------------------------------------------------------
+# ---- Block, MTP layer, Transformer (docs/model.md §7) ------------------------------------------------------
 class Block(nn.Module):
     def __init__(self, cfg: Config, moe: bool):
         super().__init__()
@@ -789,9 +783,7 @@ class Block(nn.Module):
 
     def forward(self, x, residual, cos, sin, meta, cache):
         x, residual = self.attn_norm(x, residual)  # x: the last block's FFN half (the first: the embedding)
-        # Each half's output is the sum of every rank's unrounded part ('row' Linears, routed experts) in
-        # acc_dtype, rounded to bf16 once, by the norm that takes it (rms_norm): as at one rank (the reference
-        # all-reduces bf16 parts, which makes the tokens depend on the number of ranks)
+        # each half: every rank's unrounded part summed, rounded once by the next norm (docs/model.md §10)
         x = all_reduce(self.attn(x, cos, sin, meta, cache))
         x, residual = self.ffn_norm(x, residual)
         return all_reduce(self.ffn(x)), residual  # (the FFN half's fp32 sum, the bf16 residual stream)
@@ -815,7 +807,7 @@ class MTP(nn.Module):
 
     def forward(self, next_tokens, h, cos, sin, meta: Meta, cache: LayerCache):
         """next_tokens [T] (t_{i+1}), h [T, dim] main hidden at i after the final norm -> normed hidden [T,
-        dim]. (vLLM zeroes the embedding at position 0; SGLang and this engine do not.)"""
+        dim]."""
         u = self.eh_proj(torch.cat([self.enorm(self.embed(next_tokens)), self.hnorm(h)], -1)).to(BF16)
         # a residual stream of its own, starting at -0.0 (as Transformer.forward's)
         x, residual = self.block(u, torch.full_like(u, -0.0), cos, sin, meta, cache)
@@ -978,7 +970,7 @@ def load_model(path, device="cpu", kernels="auto", cfg=None) -> Transformer:
 
 
 # ==== Part 2: the engine ====================================================================================
-# ---- Tokenizer and DeepSeek-V3.2 chat encoding (spec section 5) --------------------------------------------
+# ---- Tokenizer and DeepSeek-V3.2 chat encoding (docs/model.md §9) ------------------------------------------
 BOS = "<｜begin▁of▁sentence｜>"
 EOS = "<｜end▁of▁sentence｜>"
 USER = "<｜User｜>"

@@ -110,11 +110,12 @@ def save_random_checkpoint(
     tokenizer=True,
     device="cpu",
     weights=None,
+    sampling=(1.0, 0.95),
 ):
     """Write a random-weight DeepSeek-V3.2 checkpoint in the official HF layout (config.json, sharded
     safetensors and index, FP8 weights with pow2 128x128 block scales). device: where values are drawn
     (cuda: others, same format). weights: {HF name: tensor} of a trained model, written through the same
-    FP8 path (tools/train_demo.py)."""
+    FP8 path (tools/train_demo.py). sampling: generation_config.json's (temperature, top_p)."""
     from safetensors.torch import save_file
     from tqdm import tqdm
 
@@ -124,8 +125,8 @@ def save_random_checkpoint(
         bos_token_id=config.bos_token_id,
         eos_token_id=config.eos_token_id,
         do_sample=True,
-        temperature=1.0,
-        top_p=0.95,
+        temperature=sampling[0],
+        top_p=sampling[1],
     )
     write_json(os.path.join(path, "generation_config.json"), generation)
     if tokenizer:

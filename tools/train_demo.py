@@ -409,9 +409,9 @@ def export(model, tok, path):
         w["model.embed_tokens.weight"],
         w["lm_head.weight"],
     )
-    save_random_checkpoint(
-        path, c, tokenizer=False, weights={k: v.detach().float().cpu() for k, v in w.items()}
-    )
+    # the decoding defaults it ships: a model this small loops at greedy and rambles at temperature 1
+    weights = {k: v.detach().float().cpu() for k, v in w.items()}
+    save_random_checkpoint(path, c, tokenizer=False, weights=weights, sampling=(0.6, 0.9))
     if tok is not None:
         save_tokenizer(path, tok)
 
