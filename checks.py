@@ -61,6 +61,15 @@ def check_engine_args(args):
     check_arg("cuda_graphs", args["cuda_graphs"], bool)
 
 
+def check_kernels(kernels, device):
+    """kernels is 'auto', 'torch' or 'gpu', and 'gpu' comes with a CUDA device."""
+    require(
+        kernels in ("auto", "torch", "gpu"), f"kernels must be 'auto', 'torch' or 'gpu' (got {kernels!r})"
+    )
+    gpu = torch.device(device).type == "cuda"
+    require(gpu or kernels != "gpu", f"kernels='gpu' needs a CUDA device (got {device})")
+
+
 def check_device(device):
     """The torch device for a user's `device` value (None: a GPU if there is one)."""
     try:

@@ -37,7 +37,9 @@ import torch.nn.functional as F
 
 import checks
 import cli
+import explain
 import hf_checkpoint
+from chat import BOS, EOS, SPECIAL_TOKENS, encode_chat
 from checks import require
 from parallel import all_gather, all_reduce, init_distributed, rank_local, rank_slice, tp_rank, tp_size
 
@@ -917,16 +919,13 @@ TORCH_OPS = SimpleNamespace(
 def select_ops(kernels, device):
     """The kernel set for a device: 'torch' the references; 'gpu' kernels.py (an error where it cannot run);
     'auto' kernels.py on a GPU that supports it, else the references."""
-    known = kernels in ("auto", "torch", "gpu")
-    require(known, f"kernels must be 'auto', 'torch' or 'gpu' (got {kernels!r})")
-    on_gpu = torch.device(device).type == "cuda"
-    require(on_gpu or kernels != "gpu", f"kernels='gpu' needs a CUDA device (got {device})")
-    if kernels == "torch" or not on_gpu:
+    checks.check_kernels(kernels, device)
+    if kernels == "torch" or torch.device(device).type != "cuda":
         return TORCH_OPS
     import kernels as gpu_kernels  # Triton (and flashinfer on Blackwell): imported on the GPU path only
 
     why = gpu_kernels.unsupported(torch.device(device))
-    require(not why or kernels != "gpu", f"the GPU kernels cannot run here: {why}")
+    require(not why or kernels == "auto", f"the GPU kernels cannot run here: {why}")
     return TORCH_OPS if why else gpu_kernels.GPU_OPS
 
 
@@ -971,35 +970,8 @@ def load_model(path, device="cpu", kernels="auto", cfg=None) -> Transformer:
 
 # ==== Part 2: the engine ====================================================================================
 # ---- Tokenizer and DeepSeek-V3.2 chat encoding (docs/model.md §9) ------------------------------------------
-BOS = "<｜begin▁of▁sentence｜>"
-EOS = "<｜end▁of▁sentence｜>"
-USER = "<｜User｜>"
-ASSISTANT = "<｜Assistant｜>"
-THINK = "<think>"
-END_THINK = "</think>"
-SPECIAL_TOKENS = (BOS, EOS, USER, ASSISTANT, THINK, END_THINK)  # one token each (ids 0, 1, 128798-128804)
-
-
-def encode_chat(messages, thinking=False) -> str:
-    """DeepSeek-V3.2 chat format: BOS, system text, per user turn `<｜User｜>{c}<｜Assistant｜>`, then
-    `<think>` (the last user turn, thinking mode) or `</think>`; assistant turns end with EOS; earlier
-    reasoning is dropped."""
-    last_user = max(i for i, m in enumerate(messages) if m["role"] == "user")
-    out = BOS
-    for i, m in enumerate(messages):
-        if m["role"] == "system":
-            out += m["content"]
-        elif m["role"] == "user":
-            think = THINK if thinking and i == last_user else END_THINK
-            out += USER + m["content"] + ASSISTANT + think
-        elif m["role"] == "assistant":
-            reasoning = m.get("reasoning_content") if thinking and i > last_user else None
-            if reasoning:
-                out += reasoning + END_THINK
-            out += m["content"] + EOS
-        else:
-            raise ValueError(f"unknown chat role {m['role']!r}")
-    return out
+# A prompt becomes the chat template's text, BOS + `<｜User｜>{prompt}<｜Assistant｜></think>` (`<think>` in
+# thinking mode; chat.py's encode_chat), then token ids by the checkpoint's tokenizer.json (LLM.encode).
 
 
 # ---- Sampling and speculative acceptance, on the device ----------------------------------------------------
@@ -1749,10 +1721,13 @@ def main(argv=None):
     args = cli.parse(argv)
     prompts = cli.read_prompts(args)
     llm = LLM(args.model, **cli.engine_options(args))
+    recorder = explain.attach(llm) if args.explain else None  # --explain: record the engine's steps
     stream = cli.TextStream(llm.tokenizer) if cli.streams(args, prompts) and tp_rank() == 0 else None
     results = llm.generate(prompts, on_tokens=stream, **cli.generate_options(args))
     if tp_rank() == 0:  # torchrun: every rank computed the same tokens (asked before leaving the group)
         cli.print_results(args, prompts, results, llm.stats, stream)
+        if recorder:  # ... and narrate them
+            print(recorder.narrate(results[0]))
     cli.end_distributed(llm.graphs is not None)
 
 

@@ -19,7 +19,8 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-import hf_checkpoint as hf  # noqa: E402  (the engine's files sit one folder up)
+import chat  # noqa: E402  (the engine's files sit one folder up)
+import hf_checkpoint as hf  # noqa: E402
 import nano_nsa as m  # noqa: E402
 
 
@@ -233,7 +234,7 @@ def write_byte_tokenizer(path, vocab_size):
     per byte after them, unused ids as placeholders."""
     from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
 
-    specials = list(m.SPECIAL_TOKENS)
+    specials = list(chat.SPECIAL_TOKENS)
     assert vocab_size >= len(specials) + 256, "the byte tokenizer needs 262 ids"
     # the byte-level BPE alphabet: printable bytes stand for themselves, the other 68 for chr(256 + n), in
     # order
@@ -269,15 +270,15 @@ def save_tokenizer(path, tok):
     format's tokens are not (decode keeps <think> and </think> as text)."""
     data = json.loads(tok.to_str())
     for added in data["added_tokens"]:
-        if added["content"] in (m.USER, m.ASSISTANT, m.THINK, m.END_THINK):
+        if added["content"] in (chat.USER, chat.ASSISTANT, chat.THINK, chat.END_THINK):
             added.update(special=False, normalized=True)
     type(tok).from_str(json.dumps(data)).save(os.path.join(path, "tokenizer.json"))
     config = {
         "add_bos_token": False,
         "add_eos_token": False,
-        "bos_token": added_token(m.BOS),
-        "eos_token": added_token(m.EOS),
-        "pad_token": added_token(m.EOS),
+        "bos_token": added_token(chat.BOS),
+        "eos_token": added_token(chat.EOS),
+        "pad_token": added_token(chat.EOS),
         "clean_up_tokenization_spaces": False,
         "legacy": True,
         "model_max_length": 131072,

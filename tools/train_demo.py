@@ -49,6 +49,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import chat  # noqa: E402
 import nano_nsa as m  # noqa: E402
 from tools.checkpoint import quantize_weight, save_random_checkpoint, save_tokenizer  # noqa: E402
 
@@ -115,7 +116,7 @@ def train_tokenizer(texts, vocab_size):
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    specials = [m.BOS, m.EOS, m.USER, m.ASSISTANT, m.THINK, m.END_THINK]  # ids 0..5
+    specials = [chat.BOS, chat.EOS, chat.USER, chat.ASSISTANT, chat.THINK, chat.END_THINK]  # ids 0..5
     tok.train_from_iterator(
         texts,
         trainers.BpeTrainer(
