@@ -760,7 +760,7 @@ class MoE(nn.Module):
 
     def forward(self, x):
         """-> this rank's part [T, dim], unrounded: its routed experts' weighted sum plus its slice of the
-        shared expert (the reference rounds the shared expert's output to bf16 first: Block says why not)."""
+        shared expert (unrounded too: docs/model.md §10)."""
         shared, routed = self.ops.side_by_side(self.shared_experts, (x,), self.routed, (x,))
         return routed + shared
 
@@ -1000,10 +1000,8 @@ def uniform(seeds, positions, stream, n):
 
 
 def exponential(u):
-    """E = -log(1 - u) ~ Exp(1) for u uniform, computed as log1p is (Goldberg's form): exact where u is small,
-    where the race decides the unlikely tokens (-log u, whose u near 1 is only as fine as 2^-24, floored E at
-    6e-8). u = 1 (2^-25 of draws round to it in fp32) counts as 1 - 2^-25: E = 17.3, not inf, which would
-    leave p / E = 0 and let a token of probability 0 win where this one alone has p > 0."""
+    """E = -log(1 - u) ~ Exp(1) for u uniform, computed as log1p is: exact where u is small, where the race
+    decides the unlikely tokens; u = 1 counts as 1 - 2^-25, so E is never inf (docs/model.md §10)."""
     w = (1 - u).clamp(min=2**-25)
     return torch.where(w == 1, u, -torch.log(w) * u / (1 - w))
 
@@ -1019,8 +1017,8 @@ def sample(probs, seeds, positions, stream):
 def probs_from_logits(logits, temperature, top_p):
     """fp32 logits [..., V] -> each row's sampling distribution: softmax(logits / T) cut to the top-p nucleus
     (the most likely tokens until they hold top_p) and renormalized; one-hot on the argmax where T = 0
-    (greedy). temperature, top_p [...] per row. No row sum (torch's summation order depends on the row count):
-    a row's total is its last cumulative sum, whose bits do not depend on its batch."""
+    (greedy). temperature, top_p [...] per row. A row's total is its last cumulative sum, not a row sum
+    (whose order would depend on the row count)."""
     greedy = (temperature == 0)[..., None]  # (sampling_kernels.probs_from_logits: no sort)
     p = torch.softmax(logits.to(acc_dtype(logits)) / torch.where(greedy, 1.0, temperature[..., None]), -1)
     sp, si = p.sort(dim=-1, descending=True, stable=True)
@@ -1096,16 +1094,6 @@ def accept(ops, batch: Batch, logits):
 
 
 # ---- Requests and results ----------------------------------------------------------------------------------
-def prompt_seeds(seed, n, device):
-    """generate's seed as one per prompt, in [0, 2^63): a list as given; one seed s: s + i for prompt i; None:
-    a fresh one, the same on every rank."""
-    if seed is None:
-        fresh = torch.tensor([int.from_bytes(os.urandom(6), "little")], device=device)
-        seed = int(all_reduce(fresh, dist.ReduceOp.MAX))
-    seeds = seed if isinstance(seed, (list, tuple)) else [int(seed) + i for i in range(n)]
-    return [int(s) % 2**63 for s in seeds]  # (int: numpy integers pass the check, and would overflow here)
-
-
 @dataclass(eq=False)
 class Request:
     idx: int  # position in the caller's prompt list
@@ -1190,9 +1178,8 @@ class PagePool:
 
     def swap_out(self, req):
         """Move a preempted request's KV (every layer, every slot of its pages) to host memory and give its
-        pages back. The copy waits for the round in flight, so it holds that round's writes too. Swapping it
-        in later restores exactly the bits it had: recomputing them through the prefill path would not (its
-        numerics differ from the decode path that first wrote them)."""
+        pages back: swapped in later, it has exactly the bits it had (docs/batch_invariance.md). The copy
+        waits for the round in flight, so it holds that round's writes too."""
         slots = self.table([req])[0]
         req.swapped = [t[:, slots].cpu() for t in self.cache.tensors()]
         self.release(req)
@@ -1270,10 +1257,10 @@ class Scheduler:
             self.running.append(self.waiting.pop(0))
 
     def prefill_chunks(self, reqs):
-        """This step's prompt chunks, at most max_prefill_tokens rows in all. Batch-invariant: a prompt is cut
-        at fixed multiples of max_prefill_tokens, and a step never mixes chunks whose context fits in top-k
-        (dense attention, MLA.forward) with longer ones, so neither a chunk's rows nor its attention form
-        depend on what else runs. A chunk that does not fit waits for the next step."""
+        """This step's prompt chunks, at most max_prefill_tokens rows in all: a prompt is cut at fixed
+        multiples of it, and a step never mixes chunks whose context fits in top-k (dense: MLA.forward) with
+        longer ones, so a chunk does not depend on what else runs. A chunk that does not fit waits for the
+        next step, and so do those after it."""
         chunks = []
         budget = self.max_prefill_tokens
         sizes = [min(r.prompt_len - 1 - r.num_cached, self.max_prefill_tokens) for r in reqs]
@@ -1448,15 +1435,13 @@ class CudaGraphs:
 #   admit      it runs once the batch has room and the pool has pages for its prompt (Scheduler.admit)
 #   prefill    prefill steps write the KV of every prompt position but the last, in chunks (LLM.prefill)
 #   start      it gets a row of the decode state: its last prompt token and first drafts (LLM.start)
-#   rounds     each decode step is one speculative round of every running request; it emits 1 to k+1 tokens
-#              a round (LLM.decode: speculative_round, then LLM.apply and Request.emit)
-#   finish     at EOS or max_new_tokens; retire gives its pages and its row back (Scheduler.retire)
-#   result     its tokens and text (LLM.result)
+#   rounds     each decode step is one speculative round of every running request, which emits 1 to k+1
+#              tokens for each (LLM.decode: speculative_round, then LLM.apply and Request.emit)
+#   finish     at EOS or max_new_tokens; retired, it gives its pages and row back (Scheduler.retire)
 # Read LLM.decode first as if the host waited for each round. It does not: it keeps one round in flight, "the
 # host one round ahead", the last methods of LLM, a mechanism to skip on a first read.
 class LLM:
-    """DeepSeek-V3.2 engine: generate() queues requests, then runs steps (schedule; a prefill step or a decode
-    round; retire) until every request is done."""
+    """DeepSeek-V3.2 engine: generate() queues requests, then runs steps until every request is done."""
 
     def __init__(
         self,
@@ -1488,8 +1473,7 @@ class LLM:
         self.model = model or load_model(model_dir, self.device, kernels, self.cfg)
         self.num_draft = mtp
         self.max_context = min(max_context or self.cfg.max_seq_len, self.cfg.max_seq_len)
-        # the pages the pool's bytes hold (its default: after the weights), the fewest over the ranks (TP: one
-        # schedule for all)
+        # the pages the pool's bytes hold (its default: after the weights), the fewest over the ranks
         pages = checks.pool_pages(kv_cache_bytes, page_size, kv_bytes, self.device, round_lookahead(mtp))
         self.cache = KVCache(self.cfg, pages * page_size, self.device, mtp > 0)
         self.pool = PagePool(self.cache, page_size)
@@ -1500,7 +1484,6 @@ class LLM:
         graphed = cuda_graphs and self.device.type == "cuda" and self.model.ops is not TORCH_OPS
         self.graphs = CudaGraphs(self, max_batch, page_size) if graphed else None
         self.launched = None  # (requests, read back, logits) of the round launched and not applied yet
-        self.rows = (None, None)  # (requests, their rows of `state`) of the last round
         self.stats = {}
         if self.device.type == "cuda":
             self.warm_up()
@@ -1580,23 +1563,15 @@ class LLM:
         self.start([r for r, _ in done], guess)  # they decode from now on: their rows of the decode state
 
     def decode(self, reqs):
-        """One speculative round of `reqs`, from their rows of the decode state (LLM.start writes a request's
-        first): launched, then applied, each request emitting what it accepted (LLM.apply). Returns whether a
-        round was launched. (The host applies the round before instead: run_ahead.)"""
+        """One speculative round of `reqs` from their rows of the decode state (LLM.start writes a request's
+        first): launched (a CUDA graph's replay where the engine has them), then applied, each request
+        emitting what it accepted (LLM.apply; the host applies the round before instead: run_ahead). Returns
+        whether a round was launched."""
         reqs = self.settle_near_end(reqs)
         if not reqs:
             return False
         self.start([r for r in reqs if r.row is None])
-        emitted, logits = self.launch(reqs)
-        self.run_ahead(reqs, self.model.ops.read_back(emitted), logits)
-        return True
-
-    def launch(self, reqs):
-        """Queue speculative_round for reqs (a CUDA graph's replay where the engine has them) -> its outputs
-        (emitted [B, k+2], logits [B, k+1, V]), which the GPU is still computing."""
-        if self.rows[0] != reqs:  # the batch's rows of the decode state (on the device, kept while it stays)
-            self.rows = (reqs, to_device(torch.tensor([r.row for r in reqs]), self.device))
-        ids = self.rows[1]
+        ids = to_device(torch.tensor([r.row for r in reqs]), self.device)  # their rows of the decode state
         # their page tables (with reserve_round's new pages), cut to the furthest position it may write
         table = self.pool.table(reqs)[:, : max(r.num_cached for r in reqs) + round_lookahead(self.num_draft)]
         if self.graphs:
@@ -1605,7 +1580,8 @@ class LLM:
             emitted, logits = speculative_round(self.model, self.cache, self.state, ids, table)
         if any(r.return_logits for r in reqs):  # (a CUDA graph's next replay overwrites them)
             logits = logits.clone()
-        return emitted, logits
+        self.run_ahead(reqs, self.model.ops.read_back(emitted), logits)
+        return True
 
     def start(self, reqs, drafts=None):
         """Give requests whose prompt is prefilled a row of the decode state that no live request holds
@@ -1643,18 +1619,23 @@ class LLM:
 
     def make_requests(self, prompts, max_new_tokens, temperature, top_p, seed, thinking, raw):
         """One Request per prompt, each refused (ValueError) if it is empty, out of the vocabulary, or too
-        long (checks.check_prompt)."""
+        long (checks.check_prompt). Its seed: one of a list as given; from one seed s, s + i for prompt i;
+        from None, a fresh one (the same on every rank)."""
         if temperature > 0:
             temperature = max(temperature, 1e-5)  # as the reference: no overflow in logits / T
         top_p = max(top_p, 1e-30)  # (above 0 in fp32: the nucleus always holds the most likely token)
-        seeds = prompt_seeds(seed, len(prompts), self.device)
+        if seed is None:
+            fresh = torch.tensor([int.from_bytes(os.urandom(6), "little")], device=self.device)
+            seed = int(all_reduce(fresh, dist.ReduceOp.MAX))
+        seeds = seed if isinstance(seed, (list, tuple)) else [int(seed) + i for i in range(len(prompts))]
         budgets = checks.per_prompt("max_new_tokens", max_new_tokens, len(prompts))
         room = (self.cfg.vocab_size, self.max_context, self.pool.free_slots, round_lookahead(self.num_draft))
         reqs = []
         for i, prompt in enumerate(prompts):
             ids = self.encode(prompt, thinking, raw)
             checks.check_prompt(i, ids, budgets[i], *room)
-            reqs.append(Request(i, list(ids), len(ids), budgets[i], temperature, top_p, seeds[i]))
+            seed = int(seeds[i]) % 2**63  # (in [0, 2^63); int: a numpy integer would overflow)
+            reqs.append(Request(i, list(ids), len(ids), budgets[i], temperature, top_p, seed))
         return reqs
 
     def encode(self, prompt, thinking=False, raw=False):
@@ -1670,21 +1651,16 @@ class LLM:
         return Result(r.generated, self.tokenizer.decode(r.generated), r.accept_lengths, logits, r.finish)
 
     def summary(self, reqs, seconds, rounds):
-        """LLM.stats: a generate's speed, rounds, preemptions, MTP acceptance, and DSA's sparsity: a row
-        attends to min(index_topk, its causal length) positions, at most the longest request's length."""
-        accepts = [a for r in reqs for a in r.accept_lengths]
+        """LLM.stats: a generate's speed, rounds, preemptions, MTP acceptance, and how sparse attention was:
+        a row attends to min(index_topk, its causal length) positions, at most the longest request's."""
         tokens = sum(len(r.generated) for r in reqs)
-        return dict(
-            tokens=tokens,
-            seconds=seconds,
-            tokens_per_s=tokens / seconds,
-            decode_rounds=rounds,
-            preemptions=self.scheduler.preemptions,
-            mean_accept_length=sum(accepts) / len(accepts) if accepts else None,
-            accept_histogram={n: accepts.count(n) for n in range(1, self.num_draft + 2)} if accepts else {},
-            index_topk=self.cfg.index_topk,
-            longest_context=max((len(r.tokens) for r in reqs), default=0),
-        )
+        accepts = [a for r in reqs for a in r.accept_lengths]  # tokens each round of each request emitted
+        stats = dict(tokens=tokens, seconds=seconds, tokens_per_s=tokens / seconds, decode_rounds=rounds)
+        stats.update(preemptions=self.scheduler.preemptions, index_topk=self.cfg.index_topk)
+        stats["longest_context"] = max((len(r.tokens) for r in reqs), default=0)
+        stats["mean_accept_length"] = sum(accepts) / len(accepts) if accepts else None
+        stats["accept_histogram"] = {n: accepts.count(n) for n in range(1, self.num_draft + 2) if accepts}
+        return stats
 
     # ---- The host one round ahead (skip on a first read) ----
     # decode applies each round one step late: it launches round n+1, then applies round n while the GPU runs
