@@ -20,7 +20,6 @@ import time
 
 import torch
 
-import checks
 import hf_checkpoint
 import nano_nsa as m
 from tools.checkpoint import fill_random_cache, random_model, write_byte_tokenizer
@@ -301,7 +300,7 @@ def check_fits(layers, positions, free):
 
     def need(n):
         cfg = m.Config.full(n_layers=n)
-        whole, split = checks.weight_bytes(cfg, m.Transformer, m.tp_size())
+        whole, split = hf_checkpoint.weight_bytes(cfg, m.Transformer, m.tp_size())
         return whole + split // m.tp_size() + positions * m.KVCache.bytes_per_token(cfg) + HEADROOM
 
     if need(layers) <= free:

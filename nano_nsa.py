@@ -402,7 +402,7 @@ class Meta:
         """Request b's rows at positions start[b] .. start[b] + n - 1 (start [B], on the device): a verify's
         x_L, d_1..d_k (n = k+1; draft-extend reuses them) or a draft step's token (n = 1). Each is a decode
         row of its own: its causal length is its position + 1 (the indexer masks the rest: topk_positions).
-        (Part 2 explains drafts: speculative_round, draft.)"""
+        E.g. start [10], n 4: positions 10..13, causal lengths 11..14 (Part 2: speculative_round, draft)."""
         positions, rows, slots, ctx_lens = ops.decode_rows(start, n, table)
         cu_seqlens = list(range(0, len(positions) + 1, n))
         return cls("decode", positions, rows, table, cu_seqlens, slots=slots, ctx_lens=ctx_lens)
@@ -1212,9 +1212,10 @@ class PagePool:
 
 # ---- The scheduler: admission, chunked prefill, preemption -------------------------------------------------
 def round_lookahead(num_draft):
-    """How many positions from L = num_cached (the host's value, a round stale: LLM) the next round may
-    write; k = num_draft. The round in flight moves L to L' <= L+k+1; the next writes L'..L'+k (verify) and
-    up to L'+2k-1 <= L+3k (its k-1 draft steps): 3k+1 past L, and 3k+2 so that k = 0 (writing L+1) fits."""
+    """How many positions past L = num_cached a round may write; k = num_draft. A round from L writes L..L+k
+    (verify) and up to L+2k-1 (its k-1 draft steps). But the host's L is a round stale (the host one round
+    ahead, end of LLM): the round in flight moves it to L' <= L+k+1, so the next writes up to L'+2k-1 <= L+3k,
+    3k+1 positions from L; 3k+2 so that k = 0 (writing L+1) fits too."""
     return 3 * num_draft + 2
 
 
@@ -1349,7 +1350,7 @@ def draft(model, cache, h, start, batch, table):
     were drawn from: one-hot on the argmax for a greedy request)."""
     tokens, dists = [], []
     for step in range(batch.tokens.shape[1] - 1):
-        if step:
+        if step:  # the MTP layer's own output h, chained with the draft before, at position start + step - 1
             meta = Meta.decode(model.ops, start + (step - 1), 1, table)
             h = model.mtp_forward(tokens[-1], h, meta, cache)
         logits = model.mtp[0].logits(h)  # [B, V]; d_{step+1} is the token at position start + step + 1
