@@ -1485,6 +1485,7 @@ class LLM:
         graphed = cuda_graphs and self.device.type == "cuda" and self.model.ops is not TORCH_OPS
         self.graphs = CudaGraphs(self, max_batch, page_size) if graphed else None
         self.launched = None  # (requests, read back, logits) of the round launched and not applied yet
+        self.rows = (None, None)  # (requests, their rows of `state`) of the last round
         self.stats = {}
         if self.device.type == "cuda":
             self.warm_up()
@@ -1572,7 +1573,9 @@ class LLM:
         if not reqs:
             return False
         self.start([r for r in reqs if r.row is None])
-        ids = to_device(torch.tensor([r.row for r in reqs]), self.device)  # their rows of the decode state
+        if self.rows[0] != reqs:  # the batch's rows of the decode state (on the device, kept while it stays)
+            self.rows = (reqs, to_device(torch.tensor([r.row for r in reqs]), self.device))
+        ids = self.rows[1]
         # their page tables (with reserve_round's new pages), cut to the furthest position it may write
         table = self.pool.table(reqs)[:, : max(r.num_cached for r in reqs) + round_lookahead(self.num_draft)]
         if self.graphs:
