@@ -177,6 +177,8 @@ MLA_BLOCK_H = 64  # heads per program (fewer for a model with fewer heads), what
 MLA_PARTIAL_BYTES = 256 << 20  # bound on the fp32 partial outputs of one launch (long prefills run in parts)
 WORKSPACE_BYTES = 256 << 20  # trtllm-gen's workspace (Blackwell)
 _BLACKWELL = {}  # that workspace, made at the first call (zeroed, as trtllm-gen requires)
+TRTLLM_PAGE = 64  # tokens a page of the rows handed to trtllm-gen (it takes 32 or 64; SGLang's cache is 64)
+TRTLLM_HEADS = (32, 64, 128)  # the head counts flashinfer tests its trtllm-gen MLA at (DeepSeek's 512 + 64)
 
 
 @triton.jit
@@ -296,8 +298,9 @@ def _mla_combine_kernel(part_ptr, ml_ptr, out_ptr, T, H, SPLITS: tl.constexpr, C
 def sparse_mla(q_abs, q_pe, cache, selected, meta, scale):
     """Kernel of nano_nsa.sparse_mla: bf16 q and cache, fp32 softmax and sums, bf16 out. Batch-invariant: a
     row is split into chunks of MLA_CHUNK of its own selected slots, merged in chunk order, whatever else runs
-    (flashinfer's FA3 scheduler splits the KV by the number of rows: a row's bits changed with its batch)."""
-    if torch.cuda.get_device_capability(q_abs.device)[0] == 10:
+    (flashinfer's FA3 scheduler splits the KV by the number of rows: a row's bits changed with its batch).
+    On Blackwell at DeepSeek's shapes the rows go to trtllm-gen instead (sparse_mla_path), which is not."""
+    if sparse_mla_path(q_abs.device, *q_abs.shape[1:], q_pe.shape[-1]) == "trtllm-gen":
         return _sparse_mla_blackwell(q_abs, q_pe, cache, selected, meta, scale)
     T, H, C = q_abs.shape
     R = q_pe.shape[-1]
@@ -334,35 +337,57 @@ def sparse_mla(q_abs, q_pe, cache, selected, meta, scale):
     return out
 
 
+def sparse_mla_path(device, H, C, R):
+    """The sparse MLA kernel for H heads over a C + R latent: "trtllm-gen" (_sparse_mla_blackwell) on
+    Blackwell at the shapes flashinfer has it for (DeepSeek's 512 + 64, TRTLLM_HEADS heads: its tests'), else
+    "triton" (the tiny configurations' 4 heads of 256 + 64 may have no trtllm-gen kernel). On Blackwell,
+    GPU_OPS.name says which ran (the engine prints it after its warm-up)."""
+    blackwell = torch.cuda.get_device_capability(device)[0] == 10
+    path = "trtllm-gen" if blackwell and (C, R) == (512, 64) and H in TRTLLM_HEADS else "triton"
+    if blackwell:
+        kernel = "flashinfer's trtllm-gen sparse MLA [unverified on hardware]"
+        if path == "triton":
+            kernel = f"Triton sparse MLA [trtllm-gen has none for {H} heads of {C} + {R}]"
+        GPU_OPS.name = GPU_OPS_NAME.format(kernel)
+    return path
+
+
 def _sparse_mla_blackwell(q_abs, q_pe, cache, selected, meta, scale):
-    """Blackwell (SM100/103): flashinfer's trtllm-gen sparse MLA decode, every row its own request of one
-    query token with its own (expanded) length. UNVERIFIED ON HARDWARE: written from flashinfer's documented
-    signature, never executed (no Blackwell GPU was available), and whether its KV split depends on the batch
-    is not known (the Triton kernel above is batch-invariant and runs on Blackwell too)."""
+    """Blackwell (SM100/103): flashinfer's trtllm-gen sparse MLA decode (flashinfer/mla/_core.py,
+    trtllm_batch_decode_with_kv_cache_mla, called as SGLang's NSA backend calls it: _forward_trtllm), every
+    row a request of one query token over its own selection. The selected rows are dequantized to bf16 first
+    (trtllm-gen takes one K scale, not the cache's per-128 ones) into a dense cache of 64-token pages, which
+    the sparse kernel reads as flat rows: the indices name rows of it (-1 pads). UNVERIFIED ON HARDWARE: never
+    run (no Blackwell GPU was available); checked against flashinfer 0.7.2.post1's argument contract on a CPU
+    (test_nano.py, a stand-in that computes from the arguments). Not batch-invariant: trtllm-gen splits the KV
+    by a heuristic on batch size and SM count, so a row's bits may depend on its batch (the Triton kernel
+    above is batch-invariant and runs on Blackwell too)."""
     from flashinfer.mla import trtllm_batch_decode_with_kv_cache_mla
 
     T, H, C = q_abs.shape
+    R = q_pe.shape[-1]
     W = selected.shape[1]
-    slots = meta.table[meta.row_req[:, None], selected.clamp(min=0)]
-    slots = torch.where(selected >= 0, slots, -1)  # [T, W] KV-pool slots
+    # the width padded with -1 to whole pages: the kernel loads its top-k indices 4 at a time (a multiple of
+    # 4), and the T x K gathered rows then fill pages of TRTLLM_PAGE tokens (trtllm-gen takes 32 or 64)
+    K = triton.cdiv(W, TRTLLM_PAGE) * TRTLLM_PAGE
+    selected = F.pad(selected, (0, K - W), value=-1)
+    slots = meta.table[meta.row_req[:, None], selected.clamp(min=0)]  # [T, K] KV-pool slots
+    kv, pe = cache.latents(slots)  # [T, K, C] fp32 (exact in bf16), [T, K, R] bf16
+    pages = torch.cat([kv.to(BF16), pe], -1).view(T * K // TRTLLM_PAGE, 1, TRTLLM_PAGE, C + R)
+    rows = torch.arange(T * K, dtype=torch.int32, device=q_abs.device).view(T, 1, K)  # row t: t*K + k
     if "workspace" not in _BLACKWELL:
         _BLACKWELL["workspace"] = torch.zeros(WORKSPACE_BYTES, dtype=torch.uint8, device=q_abs.device)
-    q = torch.cat([q_abs.to(BF16), q_pe.to(BF16)], -1)[:, None]  # [T, 1, H, C + R]
-    # the selected rows dequantized to bf16 (called here with a bf16 cache), as pages of one slot each
-    kv, pe = cache.latents(slots.clamp(min=0))  # [T, W, C] fp32 (exact), [T, W, R] bf16
-    rows = torch.cat([kv.to(BF16), pe], -1).view(T * W, 1, -1)
-    slots = torch.where(slots >= 0, torch.arange(T * W, device=slots.device).view(T, W), -1)
     out = trtllm_batch_decode_with_kv_cache_mla(
-        query=q,
-        kv_cache=rows,
+        query=torch.cat([q_abs.to(BF16), q_pe.to(BF16)], -1)[:, None],  # [T, 1, H, C + R]
+        kv_cache=pages,
         workspace_buffer=_BLACKWELL["workspace"],
         qk_nope_head_dim=128,  # DeepSeek-V3.2's (the absorbed form does not read it)
         kv_lora_rank=C,
-        qk_rope_head_dim=q_pe.shape[-1],
-        block_tables=slots.to(torch.int32)[:, None, :],
-        seq_lens=meta.ctx_lens.clamp(max=W).to(torch.int32),
+        qk_rope_head_dim=R,
+        block_tables=torch.where(selected[:, None] >= 0, rows, -1),  # [T, 1, K]
+        seq_lens=meta.ctx_lens.clamp(max=W).to(torch.int32),  # a row's valid selections (they come first)
         max_seq_len=W,
-        sparse_mla_top_k=W,
+        sparse_mla_top_k=K,
         bmm1_scale=scale,
         backend="trtllm-gen",
     )
@@ -954,8 +979,9 @@ def bf16_dtype(w):
     return BF16
 
 
+GPU_OPS_NAME = "kernels.py ({}, indexer, FP8 / bf16 GEMMs and MoE; SDPA prefill)"  # {}: sparse_mla_path's
 GPU_OPS = SimpleNamespace(
-    name="kernels.py (Triton sparse MLA, indexer, FP8 / bf16 GEMMs and MoE; SDPA prefill)",
+    name=GPU_OPS_NAME.format("Triton sparse MLA"),
     prepare=prepare,
     index_quant=index_quant,
     store_index_key=store_index_key,

@@ -4643,3 +4643,178 @@ def test_train_demo_smoke_runs_every_stage(tmp_path):
         len(ev["heldout_chunks"]) == len(ev["bf16_loss"]) == len(ev["fp8_engine_loss"]) == 2 and ev["prompts"]
     )
     assert abs(sum(ev["fp8_engine_loss"]) / sum(ev["bf16_loss"]) - 1) < 0.02
+
+
+# ------------------------------------------------------------------------------------------------------------
+# the Blackwell sparse MLA call against flashinfer's argument contract, on a CPU (no Blackwell GPU has run it)
+# ------------------------------------------------------------------------------------------------------------
+def _flashinfer_refuses(bad, message):
+    """flashinfer raises a ValueError in Python and a TVM FFI error in its launcher: a ValueError for both."""
+    if bad:
+        raise ValueError(message)
+
+
+def _sparse_attention_from_arguments(q, rows, table, lens, C, bmm1_scale, bmm2_scale):
+    """What the sparse kernel computes, in fp64, bf16 out: out[b, t, h] = bmm2_scale * softmax_i(bmm1_scale *
+    q[b, t, h] . rows[i]) @ rows[i, :C] over i, the first lens[b] indices of table[b, t] (rows: the cache as
+    flat [-1, C + R] rows). None of them may be -1: what the kernel does with one is not documented."""
+    B, q_len, H, _ = q.shape
+    out = torch.empty(B, q_len, H, C, dtype=torch.bfloat16)
+    for b in range(B):
+        for t in range(q_len):
+            idx = table[b, t, : int(lens[b])].long()
+            outside = (idx < 0) | (idx >= len(rows))
+            _flashinfer_refuses(bool(outside.any()), "an index past the cache, or -1")
+            keys = rows[idx].double()
+            p = (q[b, t].double() @ keys.T * bmm1_scale).softmax(-1)
+            out[b, t] = (p @ keys[:, :C] * bmm2_scale).to(torch.bfloat16)
+    return out
+
+
+def trtllm_gen_sparse_mla_stand_in(flashinfer_function):
+    """A stand-in for flashinfer 0.7.2.post1's trtllm_batch_decode_with_kv_cache_mla(backend="trtllm-gen",
+    sparse_mla_top_k > 0): the call must bind to the real function's signature; the stand-in refuses what
+    flashinfer's Python layer and kernel launcher refuse (each check names the wheel's file and function),
+    then computes the sparse attention from the arguments alone (_sparse_attention_from_arguments)."""
+    import inspect
+
+    signature = inspect.signature(flashinfer_function)
+
+    def stand_in(**kw):
+        signature.bind(**kw)
+        q, kv, table, lens = kw["query"], kw["kv_cache"], kw["block_tables"], kw["seq_lens"]
+        top_k, C, R = kw["sparse_mla_top_k"], kw["kv_lora_rank"], kw["qk_rope_head_dim"]
+        _flashinfer_refuses(kw.get("backend") != "trtllm-gen" or top_k <= 0, "not trtllm-gen's sparse MLA")
+        # flashinfer/mla/_core.py, _trtllm_batch_decode_with_kv_cache_mla_impl
+        _flashinfer_refuses(lens is None, "seq_lens is required for trtllm-gen and cute-dsl MLA backends")
+        block = kv.size(-2)
+        _flashinfer_refuses(block not in (32, 64), f"trtllm-gen requires block_size in (32, 64), got {block}")
+        # _core.py, _check_trtllm_gen_mla_shape (the 4-dim query; a 3-dim cache is unsqueezed to 4 dims)
+        _flashinfer_refuses(q.ndim != 4 or kv.ndim not in (3, 4), "Expected query.ndim == 4, kv_cache 3 or 4")
+        B, q_len, H, D = q.shape
+        # (it also takes 256 + 64 and 512 + 0 latents; its sparse tests run DeepSeek's 512 + 64 alone)
+        _flashinfer_refuses((C, R) != (512, 64), f"Unsupported MLA dimensions, got {C} and {R}")
+        _flashinfer_refuses(D != C + R or kv.size(-1) != C + R, f"Expected head dim {C + R} for query and kv")
+        shape = (B, q_len, top_k)
+        _flashinfer_refuses(table.shape != shape, f"Expected page_table.shape == {shape}, got {table.shape}")
+        # the heads: _core.py refuses 64 < H < 128 for trtllm-gen; tests/attention/test_trtllm_gen_mla.py
+        # (supported_mla_layer_dimensions, test_trtllm_batch_decode_mla_sparse) run 128, 64 and 32
+        _flashinfer_refuses(H not in (32, 64, 128), f"no tested trtllm-gen MLA kernel for {H} heads")
+        # flashinfer/data/csrc/trtllm_fmha_kernel_launcher.cu, trtllm_paged_attention_decode: the kernel is
+        # chosen by the query's and the cache's dtypes (a bf16 query: a bf16 cache), the tables read as int*
+        _flashinfer_refuses(q.dtype != torch.bfloat16 or kv.dtype != q.dtype, "a bf16 query and cache")
+        _flashinfer_refuses(torch.int32 != table.dtype or torch.int32 != lens.dtype, "int32 tables")
+        _flashinfer_refuses(lens.shape != (B,), f"seq_lens: one per request, got {lens.shape}")
+        # flashinfer/data/include/flashinfer/trtllm/fmha/kernelParams.h, KernelParams::setKernelParams: the
+        # indices load 16 bytes at a time, and sparse MLA reads K as flat rows of D (a contiguous cache)
+        _flashinfer_refuses(top_k % 4 != 0, "SparseMlaTopK must be a multiple of 4")
+        _flashinfer_refuses(not kv.is_contiguous(), "sparse MLA reads the cache as flat rows")
+        # .../fmha/fmhaKernels.cuh, selectSparseMlaGenerationKernel: a row's KV is min(max_seq_len, top-k)
+        _flashinfer_refuses(bool((lens > min(top_k, kw["max_seq_len"])).any()), "seq_lens past top-k")
+        devices = {x.device for x in (q, kv, table, lens, kw["workspace_buffer"])}
+        _flashinfer_refuses(len(devices) != 1, f"tensors on {devices}")
+        scales = kw["bmm1_scale"], kw.get("bmm2_scale", 1.0)
+        return _sparse_attention_from_arguments(q, kv.reshape(-1, C + R), table, lens, C, *scales)
+
+    return stand_in
+
+
+def _blackwell_rows(table_width, starts, n, seed):
+    """Decode rows at DeepSeek-V3.2's shapes on a CPU (128 heads, a 512 + 64 latent): the FP8 cache written by
+    store_latent; request b's n rows at positions starts[b] ..; a table `table_width` wide; each row's
+    selection as the indexer gives it: min(K, W) wide, valid positions first (all of a short context, distinct
+    random ones of a long one), -1 after -> (q_abs, q_pe, cache, selected, meta, scale)."""
+    cfg = m.Config.full(n_layers=1)
+    gen = torch.Generator().manual_seed(seed)
+    B, C, R, H = len(starts), cfg.kv_lora_rank, cfg.qk_rope_head_dim, cfg.n_heads
+    S = B * table_width + 1  # (slot 0: the dummy slot)
+    cache = m.KVCache(cfg, S, mtp_layers=False).layer(0)
+    cos, sin = cos_sin(cfg, torch.randint(0, 4096, (S,), generator=gen))
+    kv, k_pe = (torch.randn(S, d, generator=gen).to(m.BF16) for d in (C, R))
+    m.store_latent(kv, k_pe, torch.rand(C, generator=gen) + 0.5, cfg.eps, cos, sin, cache, torch.arange(S))
+    table = 1 + torch.randperm(S - 1, generator=gen).view(B, table_width)
+    meta = m.Meta.decode(m.TORCH_OPS, torch.tensor(starts), n, table)
+    W, ctx = min(cfg.index_topk, table_width), meta.ctx_lens[:, None]
+    later = torch.arange(table_width) >= ctx  # past a row's causal length: sorted last
+    order = torch.rand(len(ctx), table_width, generator=gen).masked_fill(later, 2).argsort(-1)[:, :W]
+    selected = torch.where(torch.arange(W) < ctx, order, -1)
+    q_abs = torch.randn(len(ctx), H, C, generator=gen) * 0.5
+    q_pe = (torch.randn(len(ctx), H, R, generator=gen) * 0.5).to(m.BF16)
+    return q_abs, q_pe, cache, selected, meta, cfg.softmax_scale
+
+
+BLACKWELL_WIDTHS = {  # table width, the requests' first positions, rows per request (a verify's k + 1)
+    "eager": (37, [4, 17, 35], 2),  # an eager round's width, the table's: 37, not a multiple of 4
+    "graph": (2600, [0, 90, 2300], 2),  # a CUDA graph's: K = 2048; contexts of 1 .. 92 and past 2048
+}
+
+
+def _run_blackwell(width, monkeypatch):
+    """kernels._sparse_mla_blackwell on BLACKWELL_WIDTHS[width], flashinfer's function replaced by the
+    stand-in -> (its output, nano_nsa.sparse_mla's on the same rows, the arguments it passed flashinfer)."""
+    mla = pytest.importorskip("flashinfer.mla", reason="flashinfer (requirements.txt; CI installs it)")
+    import kernels
+
+    calls = []
+    stand_in = trtllm_gen_sparse_mla_stand_in(mla.trtllm_batch_decode_with_kv_cache_mla)
+
+    def recorded(**kw):
+        calls.append(kw)
+        return stand_in(**kw)
+
+    monkeypatch.setattr(mla, "trtllm_batch_decode_with_kv_cache_mla", recorded)
+    # (trtllm-gen's 256 MiB workspace, which the stand-in does not read, is made on the first call)
+    monkeypatch.setitem(kernels._BLACKWELL, "workspace", torch.zeros(1024, dtype=torch.uint8))
+    q_abs, q_pe, cache, selected, meta, scale = _blackwell_rows(*BLACKWELL_WIDTHS[width], seed=len(width))
+    got = kernels._sparse_mla_blackwell(q_abs, q_pe, cache, selected, meta, scale)
+    want = m.sparse_mla(q_abs.to(m.BF16).float(), q_pe, cache, selected, meta, scale)  # fp64 on a CPU
+    return got, want, calls[0]
+
+
+@full  # (flashinfer's first import alone takes 4 s: the quick run leaves the Blackwell contract to CI)
+@pytest.mark.parametrize("width", list(BLACKWELL_WIDTHS))
+def test_blackwell_sparse_mla_meets_flashinfer_contract(width, monkeypatch):
+    """The Blackwell path (kernels._sparse_mla_blackwell), run on a CPU through a stand-in for flashinfer
+    0.7.2.post1's trtllm_batch_decode_with_kv_cache_mla (trtllm_gen_sparse_mla_stand_in: the checks its Python
+    layer and launcher make, then the attention from the arguments), gives nano_nsa.sparse_mla's result, the
+    Triton kernel's reference, rounded to bf16, bit for bit: real shapes (128 heads, 512 + 64, the FP8 cache),
+    -1 padded selections, lengths below top-k, an eager width (37) and a CUDA graph's (2048)."""
+    got, want, passed = _run_blackwell(width, monkeypatch)
+    assert passed["kv_cache"].size(-2) == 64 and passed["sparse_mla_top_k"] % 64 == 0
+    assert got.dtype == m.BF16 and torch.equal(got, want.to(m.BF16))  # (both sum in fp64 here)
+
+
+@full  # (flashinfer's first import alone takes 4 s: the quick run leaves the Blackwell contract to CI)
+def test_flashinfer_stand_in_refuses_pages_of_one_slot_and_a_top_k_not_a_multiple_of_4(monkeypatch):
+    """The contract can fail: the stand-in refuses the call with the gathered rows as pages of one slot (the
+    call before 64-token pages: flashinfer's "trtllm-gen requires block_size in (32, 64), got 1") and with the
+    eager width as top-k (the call before its -1 padding: "SparseMlaTopK must be a multiple of 4")."""
+    _, _, passed = _run_blackwell("eager", monkeypatch)
+    import flashinfer.mla
+
+    stand_in = trtllm_gen_sparse_mla_stand_in(flashinfer.mla.trtllm_batch_decode_with_kv_cache_mla)
+    D = passed["kv_cache"].size(-1)
+    with pytest.raises(ValueError, match=r"block_size in \(32, 64\), got 1"):
+        stand_in(**dict(passed, kv_cache=passed["kv_cache"].view(-1, 1, 1, D)))
+    top_37 = dict(block_tables=passed["block_tables"][..., :37].contiguous(), sparse_mla_top_k=37)
+    with pytest.raises(ValueError, match="multiple of 4"):
+        stand_in(**dict(passed, **top_37))
+
+
+@full  # (flashinfer's first import alone takes 4 s: the quick run leaves the Blackwell contract to CI)
+def test_blackwell_runs_trtllm_gen_where_flashinfer_has_the_kernel(monkeypatch):
+    """kernels.sparse_mla_path: trtllm-gen on Blackwell at DeepSeek's 512 + 64 with 128, 64 or 32 heads (TP
+    1, 2, 4); the Triton kernel on Hopper, at 16 heads (TP 8) and in the tiny configuration (4 heads of 256 +
+    64); on Blackwell GPU_OPS.name, which the engine prints after its warm-up, names the one that ran."""
+    import kernels
+
+    monkeypatch.setattr(kernels.GPU_OPS, "name", kernels.GPU_OPS.name)  # (restored after the test)
+    cases = [(10, 128, 512, "trtllm-gen"), (10, 64, 512, "trtllm-gen"), (10, 32, 512, "trtllm-gen")]
+    cases += [(10, 16, 512, "triton"), (10, 4, 256, "triton"), (9, 128, 512, "triton")]
+    for major, H, C, path in cases:
+        monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None, cc=(major, 0): cc)
+        assert kernels.sparse_mla_path(torch.device("cpu"), H, C, 64) == path
+        if major == 10:
+            named = "trtllm-gen sparse MLA [" if path == "trtllm-gen" else f"none for {H} heads of {C}"
+            assert named in kernels.GPU_OPS.name, kernels.GPU_OPS.name
+    assert kernels.GPU_OPS.name.startswith("kernels.py (Triton sparse MLA [")
