@@ -294,9 +294,8 @@ class Embedding(nn.Module):
 
 
 def yarn_frequencies(cfg: Config):
-    """f'_i, the YaRN-corrected inverse frequencies (docs/model.md §3): low dims unchanged, high dims
-    divided by rope_factor, a linear ramp between the dims that turn beta_fast and beta_slow times over
-    original_seq_len."""
+    """f'_i, the YaRN-corrected inverse frequencies (docs/model.md §3): low dims as they are, high dims /
+    rope_factor, a linear ramp between the dims turning beta_fast and beta_slow times in original_seq_len."""
     d, base = cfg.qk_rope_head_dim, cfg.rope_theta
     freqs = 1.0 / (base ** (torch.arange(0, d, 2, dtype=torch.float32) / d))
 
@@ -343,8 +342,7 @@ def hadamard(x: torch.Tensor) -> torch.Tensor:
 
 
 def top_indices(x, k):
-    """Indices of the k largest values along the last dim, ties to the lowest index, whatever the batch (the
-    reference's torch.topk breaks ties in an order that may change with the batch shape)."""
+    """Indices of the k largest values along the last dim, ties to the lowest index (docs/model.md §10)."""
     return x.sort(dim=-1, descending=True, stable=True).indices[..., :k]
 
 
@@ -934,8 +932,7 @@ def select_ops(kernels, device):
 # columns), routed experts (by index range), vocabulary. Replicated: the rest, the indexer and latent KV cache
 # included (every rank selects the same positions). One all-reduce per block half (Block) and one of the
 # embedding, one all-gather of the logits; sampling is identical on every rank.
-# The torch.distributed calls behind tp_size, tp_rank, all_reduce, all_gather, rank_slice (the index of
-# this rank's share of a checkpoint tensor) and rank_local (Embedding, MoE.routed) live in parallel.py.
+# The torch.distributed calls behind tp_size, tp_rank, all_reduce, all_gather and rank_slice: parallel.py.
 
 
 # ---- Loader: reads any DeepSeek-V3.2 checkpoint directory shard by shard, validating every tensor ----------
@@ -1146,8 +1143,8 @@ class Result:
 # ---- The KV page pool: request position p is slot pages[p // ps] * ps + p % ps (ps: page_size) -------------
 class PagePool:
     """Hands out the KV cache's slots by pages of `page_size`. Page 0 is never given out: its slot 0 is the
-    dummy slot, written by rows that hold no real token (a CUDA graph's padding rows, which fill a batch up to
-    its bucket: CudaGraphs; draft-extend's rows past what a request emitted: speculative_round)."""
+    dummy slot, written by rows that hold no real token (a CUDA graph's padding rows: CudaGraphs;
+    draft-extend's rows past what a request emitted: speculative_round)."""
 
     def __init__(self, cache: KVCache, page_size):
         self.cache = cache
@@ -1223,9 +1220,8 @@ class Scheduler:
     """Which requests run in the next step. Requests wait in arrival order and are admitted while the batch
     has room and the pool has pages for their prompt and first drafts. A step is a prefill step while any
     running request has prompt left before its last token (chunks of at most max_prefill_tokens rows in all),
-    else a decode round over every running request. A round that cannot get its pages preempts the newest
-    request: its KV moves to host memory, its pages go back, and it waits at the front of the queue to be
-    swapped in and go on exactly where it stopped (same KV, same drafts)."""
+    else a decode round over every running request. A round short of pages preempts the newest request: its KV
+    moves to host memory and its pages go back; first in the queue, it goes on where it stopped."""
 
     def __init__(self, pool: PagePool, max_batch, max_prefill_tokens, num_draft, index_topk):
         self.pool = pool
@@ -1384,9 +1380,8 @@ def graph_buckets(max_bs, rows_per_req, tp=1):
 
 class CudaGraphs:
     """speculative_round as CUDA graphs, each captured when a round first needs it: one per batch-size bucket
-    and context bound (the indexer's width, a shape of the graph). A replay reads the rows of the decode state
-    named in one static buffer of ids (padding rows: row 0, their table rows all the dummy slot 0) through one
-    static page table."""
+    and context bound (the indexer's width, a graph's shape). A replay reads the decode state's rows named in
+    one static buffer of ids (padding: row 0, its table row all dummy slot 0) through one static table."""
 
     def __init__(self, llm, max_batch, page_size):  # (llm: the engine, next section, whose state they read)
         self.model, self.cache, self.state = llm.model, llm.cache, llm.state
@@ -1566,9 +1561,8 @@ class LLM:
 
     def decode(self, reqs):
         """One speculative round of `reqs` from their rows of the decode state (LLM.start writes a request's
-        first): launched (a CUDA graph's replay where the engine has them), then applied, each request
-        emitting what it accepted (LLM.apply; the host applies the round before instead: run_ahead). Returns
-        whether a round was launched."""
+        first), launched, then applied: each request emits what it accepted (LLM.apply; run_ahead applies the
+        round before instead). Returns whether a round was launched."""
         reqs = self.settle_near_end(reqs)
         if not reqs:
             return False
@@ -1588,10 +1582,9 @@ class LLM:
         return True
 
     def start(self, reqs, drafts=None):
-        """Give requests whose prompt is prefilled a row of the decode state that no live request holds
-        (row 0 is padding's), and write their first round's inputs there: the last prompt token and its
-        position, how they draw, and the drafts [B, 1] (LLM.prefill's guess, for all k, with its one-hot q;
-        None: zeros, for a one-token prompt, which has no prefill step)."""
+        """Give requests whose prompt is prefilled a free row of the decode state (row 0 is padding's), and
+        write their first round's inputs there: the last prompt token and its position, how they draw, the
+        drafts [B, 1] (LLM.prefill's guess, for all k, one-hot q; None: zeros, for a one-token prompt)."""
         if not reqs:
             return
         live = {r.row for r in self.scheduler.running + self.scheduler.waiting + reqs}
@@ -1622,9 +1615,8 @@ class LLM:
             r.emit(new, logits[b], self.cfg.eos_token_id)
 
     def make_requests(self, prompts, max_new_tokens, temperature, top_p, seed, thinking, raw):
-        """One Request per prompt, each refused (ValueError) if it is empty, out of the vocabulary, or too
-        long (checks.check_prompt). Its seed: one of a list as given; from one seed s, s + i for prompt i;
-        from None, a fresh one (the same on every rank)."""
+        """One Request per prompt, refused (checks.check_prompt) if empty, out of the vocabulary or too long.
+        Seeds: a list as given, else s + i for prompt i (seed None: a fresh s, the same on all ranks)."""
         if temperature > 0:
             temperature = max(temperature, 1e-5)  # as the reference: no overflow in logits / T
         top_p = max(top_p, 1e-30)  # (above 0 in fp32: the nucleus always holds the most likely token)
@@ -1655,8 +1647,7 @@ class LLM:
         return Result(r.generated, self.tokenizer.decode(r.generated), r.accept_lengths, logits, r.finish)
 
     def summary(self, reqs, seconds, rounds):
-        """LLM.stats: a generate's speed, rounds, preemptions, MTP acceptance, and how sparse attention was:
-        a row attends to min(index_topk, its causal length) positions, at most the longest request's."""
+        """LLM.stats: speed, rounds, preemptions, MTP acceptance, DSA's top-k and the longest context."""
         tokens = sum(len(r.generated) for r in reqs)
         accepts = [a for r in reqs for a in r.accept_lengths]  # tokens each round of each request emitted
         stats = dict(tokens=tokens, seconds=seconds, tokens_per_s=tokens / seconds, decode_rounds=rounds)
@@ -1668,12 +1659,11 @@ class LLM:
 
     # ---- The host one round ahead (skip on a first read) ----
     # decode applies each round one step late: it launches round n+1, then applies round n while the GPU runs
-    # n+1, so the host's work (scheduling, page tables, emitting tokens) hides behind the GPU's, and a round
-    # costs one read-back (ops.read_back). Round n+1 starts from the inputs round n left on the device (each
-    # request's row of `state`), so it needs nothing from the host. It is safe: schedule reserves round n+1's
-    # pages while num_cached is still from before round n (round_lookahead's bound); retire frees the pages
-    # and row of a request that round n finished while n+1 still runs for it, but n+1 writes only into those,
-    # and the GPU runs in launch order, so their next owner writes after it.
+    # n+1, so the host's work hides behind the GPU's, and a round costs one read-back (ops.read_back). Round
+    # n+1 starts from the inputs round n left on the device (each request's row of `state`). It is safe:
+    # schedule reserves round n+1's pages while num_cached is still from before round n (round_lookahead);
+    # retire frees the pages and row of a request round n finished while n+1 still runs for it, but n+1
+    # writes only into those, and the GPU runs in launch order, so their next owner writes after it.
     def run_ahead(self, reqs, fetch, logits):
         """Keep the round just launched in flight, and apply the one before it (none after a settle)."""
         previous, self.launched = self.launched, (reqs, fetch, logits)
