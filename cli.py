@@ -60,9 +60,13 @@ def read_prompts(args):
     require(prompts, "give at least one --prompt or a --prompt-file")
     require(not args.explain or len(prompts) == 1, f"--explain takes one prompt (got {len(prompts)})")
     check_texts(prompts)
+    # temperature and top_p not given: the checkpoint's decoding defaults (generation_config.json) or greedy
+    model_dir = args.model or hf_checkpoint.default_model_dir()
+    defaults = dict(temperature=0.0, top_p=1.0) | hf_checkpoint.generation_defaults(model_dir)
+    for name, value in defaults.items():
+        setattr(args, name, value if getattr(args, name) is None else getattr(args, name))
     for name, rule in SAMPLING.items():
-        if getattr(args, name) is not None:  # (temperature, top_p: None takes the model's defaults)
-            check_arg(name, getattr(args, name), *rule)
+        check_arg(name, getattr(args, name), *rule)
     check_modes(args.thinking, args.raw)
     return prompts
 
@@ -84,13 +88,9 @@ def engine_options(args):
 
 
 def generate_options(args):
-    """generate's options from the flags; temperature and top_p not given: the checkpoint's decoding defaults
-    (hf_checkpoint.generation_defaults), else greedy."""
+    """generate's options from the flags (read_prompts filled in the decoding defaults)."""
     names = ("max_new_tokens", "temperature", "top_p", "seed", "thinking", "raw")
-    options = {name: getattr(args, name) for name in names}
-    model_dir = args.model or hf_checkpoint.default_model_dir()
-    defaults = dict(temperature=0.0, top_p=1.0) | hf_checkpoint.generation_defaults(model_dir)
-    return options | {name: defaults[name] for name in defaults if options[name] is None}
+    return {name: getattr(args, name) for name in names}
 
 
 def streams(args, prompts):
@@ -172,7 +172,7 @@ def print_results(args, prompts, results, stats, stream):
         spec += f", acceptance histogram {stats['accept_histogram']}"
     speed = f"{stats['tokens']} tokens in {stats['seconds']:.2f} s, {stats['tokens_per_s']:.1f} tokens/s"
     n, k = stats["longest_context"], stats["index_topk"]
-    dsa = f"; DSA: every token saw all of its <= {n} positions (fewer than top-{k})"
+    dsa = f"; DSA: every token saw all of its <= {n} positions (within top-{k})"
     if n > k:
         dsa = f"; DSA: each token attended to the indexer's top {k} of its up to {n} positions"
     print(f"[{speed}{spec}{dsa}]", file=sys.stderr)

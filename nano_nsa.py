@@ -3,13 +3,13 @@
 Read it top to bottom. Part 1 is the model: Config -> building blocks (the FP8 block format, norms, YaRN RoPE,
 Hadamard) -> forward metadata and the KV cache -> the lightning indexer -> MLA -> MoE -> Block, MTP layer,
 Transformer -> the kernel boundary -> tensor parallelism -> the loader. It computes what DeepSeek's official
-`inference/model.py` computes (docs/model.md teaches it); where it deliberately
-differs, a comment says why. Part 2 is the engine: chat encoding -> sampling and speculative acceptance ->
-requests -> the KV page pool -> the scheduler -> the speculative round (verify, accept, draft-extend, draft)
--> CUDA graphs -> `LLM`: generate, its steps (prefill, decode round) -> `main`. What a reader can skip lives
-beside this file: the checkpoint format and its checks (hf_checkpoint.py), the checks of user arguments and
-the defaults they leave (checks.py), the command line and generate's stats (cli.py), and the GPU kernels
-behind the same names as the references here (kernels.py, fp8_gemm.py, sampling_kernels.py).
+`inference/model.py` computes, as docs/model.md teaches it; where it deliberately differs, a comment says why.
+Part 2 is the engine: chat encoding -> sampling and speculative acceptance -> requests -> the KV page pool ->
+the scheduler -> the speculative round (verify, accept, draft-extend, draft) -> CUDA graphs -> `LLM`: one
+request's life, generate and its steps (prefill, decode round), the host one round ahead -> `main`. What a
+reader can skip lives beside this file: the checkpoint format and its checks (hf_checkpoint.py), the checks of
+user arguments (checks.py), the chat template (chat.py), the command line (cli.py), --explain (explain.py),
+and the GPU kernels under the same names as the references (kernels.py, fp8_gemm.py, sampling_kernels.py).
 
 Dimension legend used in shape comments:
   T tokens (rows) in the forward pass   B requests in the batch   N context positions of a request
