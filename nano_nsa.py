@@ -1066,19 +1066,23 @@ def rejection_sample(p, q, drafts, seeds, start):
     probability min(1, p(d_j) / q(d_j)), then draws from residual_probs (from p after k acceptances): the
     output follows p exactly. Greedy, temperature 0, is its one-hot case: p(d) = 1 at the argmax, so u q(d) <=
     1 keeps that draft whatever q is; p(d) = 0 rejects any other; max(p - q, 0) is non-zero only at the argmax
-    (else the draw falls back to p): the longest prefix of drafts equal to the argmax, then the argmax."""
+    (else the draw falls back to p): the longest prefix of drafts equal to the argmax, then the argmax.
+    For example, k = 3 and the tests keep d_1, d_2, not d_3: a = 2 drafts accepted, t is drawn from row 2's
+    residual, emitted [d_1, d_2, t, d_3] (a request emits its first counts = 3; the rest is never read)."""
     B, n, _ = p.shape
     zero = torch.zeros_like(p[:, :1])
     # [B, k+1, V]: the drafts' distributions, then zeros (after k acceptances the residual is p itself)
     q = zero if q is None else torch.cat([q, zero], 1)
     positions = start[:, None] + 1 + torch.arange(n, device=start.device)  # of the token each row decides
-    px, qx = (d[:, :-1].gather(-1, drafts[..., None])[..., 0] for d in (p, q))  # [B, k]
+    px, qx = (d[:, :-1].gather(-1, drafts[..., None])[..., 0] for d in (p, q))  # [B, k]: p(d_j), q(d_j)
     u = uniform(seeds[:, None], positions[:, :-1], ACCEPT, 1)[..., 0]
-    # [B] accepted drafts (p > 0: where q is 0 too, 0 <= 0 would keep a draft of probability 0)
-    a = ((u * qx <= px) & (px > 0)).long().cumprod(1).sum(1)
+    kept = (u * qx <= px) & (px > 0)  # [B, k] each draft's test (p > 0: where q is 0 too, 0 <= 0 would pass)
+    # a [B]: the drafts accepted, those before the first failed test (kept [1, 1, 0] -> cumprod [1, 1, 0] -> 2)
+    a = kept.long().cumprod(1).sum(1)
     rows = torch.arange(B, device=start.device)
-    last = sample(residual_probs(p[rows, a], q[rows, a]), seeds, positions[rows, a], TARGET)
-    emitted = torch.cat([drafts, last[:, None]], 1).scatter(1, a[:, None], last[:, None])
+    last = sample(residual_probs(p[rows, a], q[rows, a]), seeds, positions[rows, a], TARGET)  # row a's token
+    emitted = torch.cat([drafts, last[:, None]], 1)  # [B, k+1]: d_1..d_k, then a free column
+    emitted[rows, a] = last  # t after the a accepted drafts (what follows it is not emitted)
     return emitted, a + 1
 
 
@@ -1318,7 +1322,9 @@ def speculative_round(model, cache, state: Batch, ids, table):
     batch = model.ops.take(state, ids)  # their rows (Batch.take; on a GPU one launch)
     B, n = batch.tokens.shape
     dev = batch.tokens.device
-    meta = Meta.decode(model.ops, batch.start, n, table)  # [B*(k+1)] rows at positions L..L+k
+    # The metadata, built once (one launch): the verify's every layer reads this Meta of its B*(k+1) rows at
+    # positions L..L+k, draft-extend reuses it (its slots masked), and each draft step builds one of B rows.
+    meta = Meta.decode(model.ops, batch.start, n, table)
     h = model(batch.tokens.flatten(), meta, cache)  # 1. verify
     logits = model.logits(h).view(B, n, -1)
     emitted, counts = accept(model.ops, batch, logits)  # 2. accept
@@ -1368,14 +1374,10 @@ TORCH_OPS.rejection_sample, TORCH_OPS.read_back, TORCH_OPS.take = rejection_samp
 
 
 # ---- CUDA graphs: the speculative round captured per batch-size bucket -------------------------------------
-def graph_buckets(max_bs, rows_per_req, tp=1):
-    """Batch sizes captured for rows_per_req rows per request: 1, 2, 4, 8, then every 16 below max_bs, and
-    max_bs itself, those whose rows split evenly over tp ranks (max_bs rounded up to such a size). SGLang's
-    rule, for a step whose rows are split over the ranks; here every rank runs all of them, so it only shapes
-    the buckets: at TP 8, bs=1 with 4 rows pads to bs=2, not 8."""
-    step = tp // math.gcd(tp, rows_per_req)  # bs must be a multiple of this
-    top = -(-max_bs // step) * step
-    return [b for b in sorted({1, 2, 4, 8, *range(16, top, 16), top}) if b <= top and b % step == 0]
+def graph_buckets(max_bs):
+    """Batch sizes captured: 1, 2, 4, 8, then every 16 below max_bs, and max_bs itself (a batch of B requests
+    replays the smallest bucket that holds B; max_bs 64: 1, 2, 4, 8, 16, 32, 48, 64)."""
+    return sorted({b for b in (1, 2, 4, 8, *range(16, max_bs, 16)) if b < max_bs} | {max_bs})
 
 
 class CudaGraphs:
@@ -1385,7 +1387,7 @@ class CudaGraphs:
 
     def __init__(self, llm, max_batch, page_size):  # (llm: the engine, next section, whose state they read)
         self.model, self.cache, self.state = llm.model, llm.cache, llm.state
-        self.buckets = graph_buckets(max_batch, llm.num_draft + 1, tp_size())
+        self.buckets = graph_buckets(max_batch)
         context = llm.max_context + round_lookahead(llm.num_draft) + 1  # a bound on any round's table width
         self.max_width = -(-context // page_size) * page_size
         self.table = torch.zeros(self.buckets[-1], self.max_width, dtype=torch.long, device=llm.device)
@@ -1658,12 +1660,14 @@ class LLM:
         return stats
 
     # ---- The host one round ahead (skip on a first read) ----
-    # decode applies each round one step late: it launches round n+1, then applies round n while the GPU runs
-    # n+1, so the host's work hides behind the GPU's, and a round costs one read-back (ops.read_back). Round
-    # n+1 starts from the inputs round n left on the device (each request's row of `state`). It is safe:
-    # schedule reserves round n+1's pages while num_cached is still from before round n (round_lookahead);
-    # retire frees the pages and row of a request round n finished while n+1 still runs for it, but n+1
-    # writes only into those, and the GPU runs in launch order, so their next owner writes after it.
+    # decode applies each round one step late: it launches round n+1, then applies round n (waits for its
+    # tokens, emits them) while the GPU runs n+1, so the host's work hides behind the GPU's. Why it is safe:
+    # - n+1 needs no host input from n: it starts from the rows of `state` that n wrote on the device.
+    # - Its pages: schedule reserves them while the host's num_cached is a round stale, so it reserves more
+    #   (round_lookahead covers the writes of n and n+1 from the stale position).
+    # - A request that n finished still runs in n+1; retire frees its pages and row at once. n+1 writes only
+    #   into them, and the GPU runs in launch order, so a next owner's writes land after n+1's.
+    # - Its tokens from n+1 are dropped by apply (r.finish is set); settle_near_end avoids such wasted rounds.
     def run_ahead(self, reqs, fetch, logits):
         """Keep the round just launched in flight, and apply the one before it (none after a settle)."""
         previous, self.launched = self.launched, (reqs, fetch, logits)

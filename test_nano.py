@@ -1846,20 +1846,14 @@ def test_memory_check_counts_each_ranks_share_of_the_split_weights(monkeypatch):
 
 
 @full
-def test_cuda_graph_buckets_split_evenly_over_tp_ranks():
-    """Buckets keep only batch sizes whose rows (bs x rows per request) split evenly over the TP ranks, and
-    the smallest bucket pads a one-request step to the fewest rows that do (bs=1 verify of 4 rows at TP 8: 8
-    rows)."""
-    assert m.graph_buckets(64, 1) == [1, 2, 4, 8, 16, 32, 48, 64]
-    assert m.graph_buckets(64, 4, tp=8)[0] == 2 and m.graph_buckets(64, 1, tp=8)[0] == 8
-    for tp in (1, 2, 4, 8):
-        for rows in (1, 2, 3, 4):
-            for max_bs in (1, 5, 64):
-                buckets = m.graph_buckets(max_bs, rows, tp)
-                assert all(b * rows % tp == 0 for b in buckets) and buckets == sorted(set(buckets))
-                assert buckets[-1] >= max_bs and (len(buckets) == 1 or buckets[-2] < max_bs)
-                fewest = next(n for n in range(rows, 64 * tp, rows) if n % tp == 0)  # smallest row count
-                assert buckets[0] * rows == fewest, (tp, rows, buckets)
+def test_cuda_graph_buckets():
+    """Buckets: 1, 2, 4, 8, then every 16 below max_bs, and max_bs; every batch size has one that holds it."""
+    assert m.graph_buckets(64) == [1, 2, 4, 8, 16, 32, 48, 64]
+    assert m.graph_buckets(1) == [1] and m.graph_buckets(5) == [1, 2, 4, 5] and m.graph_buckets(20) == [1, 2, 4, 8, 16, 20]
+    for max_bs in range(1, 100):
+        buckets = m.graph_buckets(max_bs)
+        assert buckets == sorted(set(buckets)) and buckets[-1] == max_bs
+        assert all(b in (1, 2, 4, 8, max_bs) or b % 16 == 0 for b in buckets)
 
 
 @full
