@@ -1077,7 +1077,7 @@ def rejection_sample(p, q, drafts, seeds, start):
     px, qx = (d[:, :-1].gather(-1, drafts[..., None])[..., 0] for d in (p, q))  # [B, k]: p(d_j), q(d_j)
     u = uniform(seeds[:, None], positions[:, :-1], ACCEPT, 1)[..., 0]
     kept = (u * qx <= px) & (px > 0)  # [B, k] each draft's test (p > 0: where q is 0 too, 0 <= 0 would pass)
-    # a [B]: the drafts accepted, those before the first failed test (kept [1, 1, 0] -> cumprod [1, 1, 0] -> 2)
+    # a [B]: the drafts accepted, those before the first failed test (kept [1, 1, 0]: cumprod [1, 1, 0], 2)
     a = kept.long().cumprod(1).sum(1)
     rows = torch.arange(B, device=start.device)
     last = sample(residual_probs(p[rows, a], q[rows, a]), seeds, positions[rows, a], TARGET)  # row a's token
