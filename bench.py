@@ -131,8 +131,8 @@ def verify_inputs(llm, reqs, ctx, k):
     width = llm.graphs.width(ctx + m.round_lookahead(k))
     table = llm.pool.table(reqs)
     padded = torch.nn.functional.pad(table, (0, max(0, width - table.shape[1])))
-    meta = m.Meta.build("decode", [ctx] * len(reqs), [k + 1] * len(reqs), padded)
-    meta.table = padded[:, :width]  # (the graph's width, not the longest row's)
+    start = torch.full((len(reqs),), ctx, device=llm.device)
+    meta = m.Meta.decode(llm.model.ops, start, k + 1, padded[:, :width])  # (the graph's width)
     return torch.randint(6, llm.cfg.vocab_size, (len(reqs) * (k + 1),), device=llm.device), meta
 
 
@@ -189,7 +189,7 @@ def mtp_bytes(llm, reqs, tokens, h, meta, k, ctx):
     """Bytes of draft-extend (k+1 rows each) + k-1 draft steps (1 row each): MTP layer and head."""
     model, cache, mtp = llm.model, llm.cache, llm.model.mtp[0]
     bs = len(reqs)
-    d_meta = m.Meta.build("decode", [ctx + 1] * bs, [1] * bs, llm.pool.table(reqs))
+    d_meta = m.Meta.decode(model.ops, torch.full((bs,), ctx + 1, device=llm.device), 1, llm.pool.table(reqs))
     _, ext = distinct_experts(model, lambda: model.mtp_forward(tokens, h, meta, cache))
     _, drf = distinct_experts(model, lambda: model.mtp_forward(tokens[:bs], h[:bs], d_meta, cache))
     extend_b = step_bytes(llm.cfg, [mtp.block], bs, k + 1, ctx, ext)

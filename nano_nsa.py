@@ -365,35 +365,33 @@ def decode_rows(start, n, table):
 
 @dataclass
 class Meta:
-    """What a forward pass knows of its rows, built once, shared by every layer: by Meta.build (a prefill
+    """What a forward pass knows of its rows, built once, shared by every layer: by Meta.rows (a prefill
     step) or Meta.decode (Part 2's speculative decoding: the MTP layer drafts k tokens, one pass of k+1 rows
-    checks them). mode 'prefill': rows are prompt chunks; 'decode': each row is a query of its own (a decode,
-    verify or draft row) with its own position, and so its own causal length."""
+    checks them). mode 'decode': each row is a query of its own (a decode, verify or draft row, or a prompt
+    token: Part 2's Scheduler.form) with its own position, and so its own causal length; 'prefill': rows are
+    long prompt chunks, which may attend in MLA's per-head form (MLA.forward)."""
 
     mode: str
     positions: torch.Tensor  # [T] absolute position of each row's token
     row_req: torch.Tensor  # [T] request (row of `table`) each row belongs to
     table: torch.Tensor  # [B, W] table[b, p]: request b's position p's KV-pool slot (PagePool.table)
-    cu_seqlens: list  # [B + 1] host: row offsets of each request
+    cu_seqlens: list  # [B + 1] host: row offsets of each request (None in a CUDA graph: Meta.rows)
     slots: torch.Tensor  # [T] the slot each row writes: its position's, or the dummy slot 0 (PagePool)
     ctx_lens: torch.Tensor  # [T] each row's causal length: position + 1
 
     @property
     def max_ctx(self):
-        """W, the table's width: the indexer scores W positions, no row's causal length exceeds W. Meta.build:
+        """W, the table's width: the indexer scores W positions, no row's causal length exceeds W. Meta.rows:
         the longest row's; a decode round: LLM.decode's bound (CudaGraphs.width rounds it up). W <= K also
         means the indexer selects every position without scoring, and a prompt chunk attends densely (MLA)."""
         return self.table.shape[1]
 
     @classmethod
-    def build(cls, mode, starts, lens, table):
-        """Request b has rows for positions starts[b] .. starts[b] + lens[b] - 1 (host lists)."""
-        positions = [s + i for s, n in zip(starts, lens, strict=True) for i in range(n)]
-        row_req = [b for b, n in enumerate(lens) for _ in range(n)]
-        pos, row_req = to_device(torch.tensor([positions, row_req]), table.device)  # one copy
-        table = table[:, : max(positions) + 1]  # W: the longest row's causal length
-        cu_seqlens = list(accumulate(lens, initial=0))
-        return cls(mode, pos, row_req, table, cu_seqlens, slots=table[row_req, pos], ctx_lens=pos + 1)
+    def rows(cls, mode, positions, row_req, table, cu_seqlens=None):
+        """A prefill step's rows from each one's position and request [T] (on the device; table [B, W], W the
+        longest row's causal length): their slots and causal lengths, one gather (in a prompt step's CUDA
+        graph too, Part 2: there with no cu_seqlens, which only the references and the per-head form read)."""
+        return cls(mode, positions, row_req, table, cu_seqlens, table[row_req, positions], positions + 1)
 
     @classmethod
     def decode(cls, ops, start, n, table):
@@ -635,10 +633,10 @@ class MLA(nn.Module):
         kv, k_pe = kv_a.split([C, R], -1)  # [T, C], [T, R]
         norm = self.kv_norm  # this pass's latents go to the cache first: attention reads them from there
         self.ops.store_latent(kv, k_pe, norm.weight, norm.eps, cos, sin, cache, meta.slots)
-        # Prompt chunks whose whole context fits in top-k select every position: plain causal attention (the
-        # per-head form). Decode rows always take the sparse absorbed form (absorbing one query row costs less
-        # than expanding its context), prompt chunks with longer contexts too. (A step never mixes the two
-        # kinds of chunk: Scheduler.prefill_chunks.)
+        # A long prompt chunk whose whole context fits in top-k selects every position: plain causal
+        # attention in the per-head form, whose expanded keys serve its many rows. Every other row takes the
+        # sparse absorbed form: decode rows (absorbing one query row costs less than expanding its context),
+        # short prompt chunks, which run as decode rows (Scheduler.form), and chunks of longer contexts.
         sparse = meta.mode == "decode" or meta.max_ctx > cfg.index_topk
         # the queries (q: q_abs [T, H, C] if sparse, else q_nope [T, H, D]) beside the indexer's selection
         (q, q_pe), selected = self.ops.side_by_side(
@@ -1212,6 +1210,11 @@ class PagePool:
 
 
 # ---- The scheduler: admission, chunked prefill, preemption -------------------------------------------------
+# A prompt chunk of at most this many rows runs as decode rows (Scheduler.form): absorbing its queries costs
+# less than expanding its context for the per-head form, as for a decode row. Longer ones: the per-head form.
+DECODE_ROWS_MAX = 256
+
+
 def round_lookahead(num_draft):
     """How many positions past L = num_cached a round may write; k = num_draft. A round from L writes L..L+k
     (verify) and up to L+2k-1 (its k-1 draft steps). But the host's L is a round stale (the host one round
@@ -1259,19 +1262,24 @@ class Scheduler:
 
     def prefill_chunks(self, reqs):
         """This step's prompt chunks, at most max_prefill_tokens rows in all: a prompt is cut at fixed
-        multiples of it, and a step never mixes chunks whose context fits in top-k (dense: MLA.forward) with
-        longer ones, so a chunk does not depend on what else runs. A chunk that does not fit waits for the
-        next step, and so do those after it."""
-        chunks = []
+        multiples of it, and a step never mixes chunks of two forms, so a chunk does not depend on what else
+        runs. A chunk that does not fit waits for the next step, and so do those after it."""
+        chunks, forms = [], set()
         budget = self.max_prefill_tokens
-        sizes = [min(r.prompt_len - 1 - r.num_cached, self.max_prefill_tokens) for r in reqs]
-        dense = [r.num_cached + n <= self.index_topk for r, n in zip(reqs, sizes, strict=True)]
-        for r, n, d in zip(reqs, sizes, dense, strict=True):
-            if n > budget or d != dense[0]:  # (the step's first chunk decides its attention form)
+        for r in reqs:
+            n = min(r.prompt_len - 1 - r.num_cached, self.max_prefill_tokens)
+            forms.add(self.form(r.num_cached, n))
+            if n > budget or len(forms) > 1:  # (the step's first chunk decides its form)
                 break
             chunks.append((r, r.num_cached, n))
             budget -= n
         return chunks
+
+    def form(self, start, n):
+        """A chunk of n prompt positions from `start` runs as decode rows ('decode', each its own query:
+        Meta), and so in a CUDA graph if its step is short (LLM.prefill), unless it is long and its context
+        fits in top-k: then 'prefill', attending in MLA's per-head form, cheaper for many rows."""
+        return "prefill" if n > DECODE_ROWS_MAX and start + n <= self.index_topk else "decode"
 
     def reserve_round(self):
         """Pages for a decode round of every running request; preempts the newest while the pool is short."""
@@ -1345,6 +1353,24 @@ def speculative_round(model, cache, state: Batch, ids, table):
     return torch.cat([emitted, counts[:, None]], 1), logits
 
 
+def prompt_rows(tokens, start, n, b):
+    """Request b's prompt rows at positions start .. start + n - 1 (tokens: its token ids) -> [4, n] on the
+    host: each row's token x_p, the next token x_{p+1}, the position p, and b."""
+    x, positions = torch.tensor(tokens[start : start + n + 1]), torch.arange(start, start + n)
+    return torch.stack([x[:-1], x[1:], positions, torch.full_like(positions, b)])
+
+
+def prompt_pass(model, cache, rows, table, num_draft, mode="decode", cu_seqlens=None):
+    """A prefill step's pass over its prompt rows [4, T] (prompt_rows, on the device; table [B, W]): the
+    main model, then the MTP layer over the same rows (its own KV), position p pairing the main hidden h_p
+    with the prompt's next token x_{p+1} -> the hidden states the next tokens are guessed from (the MTP
+    layer's; num_draft 0: the main model's, unused)."""
+    tokens, next_tokens, positions, row_req = rows
+    meta = Meta.rows(mode, positions, row_req, table, cu_seqlens)  # (in a CUDA graph: built by it)
+    h = model(tokens, meta, cache)
+    return model.mtp_forward(next_tokens, h, meta, cache) if num_draft else h
+
+
 def draft(model, cache, h, start, batch, table):
     """The batch's k draft tokens per request, on the device: d_1 from the MTP row just run at position start
     - 1 (start [B]: L', the next round's, not batch.start; its hidden state h [B, dim]), then k-1 chained MTP
@@ -1373,30 +1399,39 @@ TORCH_OPS.sample, TORCH_OPS.probs_from_logits = sample, probs_from_logits
 TORCH_OPS.rejection_sample, TORCH_OPS.read_back, TORCH_OPS.take = rejection_sample, read_back, Batch.take
 
 
-# ---- CUDA graphs: the speculative round captured per batch-size bucket -------------------------------------
+# ---- CUDA graphs: the round per batch-size bucket, a prompt step per row-count bucket ----------------------
 def graph_buckets(max_bs):
     """Batch sizes captured: 1, 2, 4, 8, then every 16 below max_bs, and max_bs itself (a batch of B requests
     replays the smallest bucket that holds B; max_bs 64: 1, 2, 4, 8, 16, 32, 48, 64)."""
     return sorted({b for b in (1, 2, 4, 8, *range(16, max_bs, 16)) if b < max_bs} | {max_bs})
 
 
+# A prefill step of decode rows (Scheduler.form) with at most this many rows replays a graph of prompt_pass:
+# one per power of two from 16 rows. Longer steps run eagerly (a step holds at most max_prefill_tokens).
+PROMPT_GRAPH_ROWS = 1024
+
+
 class CudaGraphs:
-    """speculative_round as CUDA graphs, each captured when a round first needs it: one per batch-size bucket
-    and context bound (the indexer's width, a graph's shape). A replay reads the decode state's rows named in
-    one static buffer of ids (padding: row 0, its table row all dummy slot 0) through one static table."""
+    """speculative_round and prompt_pass as CUDA graphs, each captured when a step first needs it: a round
+    per batch-size bucket, a prompt step per row-count bucket, each per context bound too (the indexer's
+    width, a graph's shape). A replay reads its rows from static buffers through one static table: a round,
+    the decode state's rows named in `ids`; a prompt step, each row's tokens, position and request in
+    `prompt_rows`. Padding rows: the decode state's row 0, or position 0 of request B's table row (the
+    step has B requests), both all dummy slot 0."""
 
     def __init__(self, llm, max_batch, page_size):  # (llm: the engine, next section, whose state they read)
-        self.model, self.cache, self.state = llm.model, llm.cache, llm.state
+        self.model, self.cache, self.state, self.num_draft = llm.model, llm.cache, llm.state, llm.num_draft
         self.buckets = graph_buckets(max_batch)
-        context = llm.max_context + round_lookahead(llm.num_draft) + 1  # a bound on any round's table width
+        context = llm.max_context + round_lookahead(llm.num_draft) + 1  # a bound on any step's table width
         self.max_width = -(-context // page_size) * page_size
-        self.table = torch.zeros(self.buckets[-1], self.max_width, dtype=torch.long, device=llm.device)
-        self.ids = self.table.new_zeros(self.buckets[-1])  # the round's rows of the decode state
+        self.table = torch.zeros(max_batch + 1, self.max_width, dtype=torch.long, device=llm.device)
+        self.ids = self.table.new_zeros(max_batch)  # the round's rows of the decode state
+        self.prompt_rows = self.table.new_zeros(4, PROMPT_GRAPH_ROWS)  # x_p, x_{p+1}, p, request, a row each
         self.graphs = {}
         self.memory_pool = torch.cuda.graph_pool_handle()  # one CUDA memory pool for all of them
 
     def width(self, max_ctx):
-        """The context bound a round runs under (the indexer's width), from the width of its table: index_topk
+        """The context bound a step runs under (the indexer's width), from the width of its table: index_topk
         if that covers it, else the next power of two (at most max_width)."""
         if max_ctx <= self.model.cfg.index_topk:
             return self.model.cfg.index_topk
@@ -1406,11 +1441,23 @@ class CudaGraphs:
         """speculative_round's replay for the requests of rows ids [B] (table [B, W]: W bounds their contexts)
         -> the graph's outputs, overwritten by its next replay (rows past B are padding)."""
         B = len(ids)
-        bs = next(b for b in self.buckets if b >= B)
-        key = (bs, self.width(table.shape[1]))
+        bs, width = next(b for b in self.buckets if b >= B), self.width(table.shape[1])
         self.ids[:B] = ids
         self.table[:B, : table.shape[1]] = table  # (columns past it: stale, past every row's causal length)
-        self.ids[B:bs], self.table[B:bs, : key[1]] = 0, 0  # padding rows (none where B = bs)
+        self.ids[B:bs], self.table[B:bs, :width] = 0, 0  # padding rows (none where B = bs)
+        return self.replay(("round", bs, width))
+
+    def prompt(self, rows, table):
+        """prompt_pass's replay for a prefill step's rows [4, T] (on the host: prompt_rows) of B requests
+        (table [B, W]) -> the hidden states of its rows, then padding's (overwritten by the next replay)."""
+        (B, W), T = table.shape, rows.shape[1]
+        n = next(16 << i for i in range(7) if 16 << i >= T)  # (16 << 6: PROMPT_GRAPH_ROWS)
+        padding = prompt_rows([0, 0], 0, 1, B).expand(4, n - T)  # position 0 of table row B: dummy slot 0
+        self.prompt_rows[:, :n] = to_device(torch.cat([rows, padding], 1), self.table.device)
+        self.table[:B, :W], self.table[B] = table, 0
+        return self.replay(("prompt", n, self.width(W)))
+
+    def replay(self, key):
         if key not in self.graphs:
             self.capture(key)
         graph, out = self.graphs[key]
@@ -1418,13 +1465,17 @@ class CudaGraphs:
         return out
 
     def capture(self, key):
-        """Capture the round for (bucket, context bound) on the static ids and table (which kernels.capture
-        zeroes for its warm-up run, then restores)."""
-        bs, width = key
-        tensors = (self.model, self.cache, self.state, self.ids[:bs], self.table[:bs, :width])
-        round_ = functools.partial(speculative_round, *tensors)
-        what = f"the round for bs {bs}, contexts <= {width}"
-        self.graphs[key] = self.model.ops.capture(round_, self.memory_pool, [self.ids, self.table], what)
+        """Capture a step for (kind, bucket, context bound) on the static inputs (which kernels.capture zeroes
+        for its warm-up run, then restores)."""
+        kind, n, width = key
+        if kind == "round":
+            tensors = (self.model, self.cache, self.state, self.ids[:n], self.table[:n, :width])
+            step, what = functools.partial(speculative_round, *tensors), f"the round for bs {n}"
+        else:
+            tensors = (self.model, self.cache, self.prompt_rows[:, :n], self.table[:, :width], self.num_draft)
+            step, what = functools.partial(prompt_pass, *tensors), f"prompt steps of {n} rows"
+        inputs, what = [self.ids, self.table, self.prompt_rows], f"{what}, contexts <= {width}"
+        self.graphs[key] = self.model.ops.capture(step, self.memory_pool, inputs, what)
 
 
 # ---- LLM: the engine, tying the parts together -------------------------------------------------------------
@@ -1488,11 +1539,10 @@ class LLM:
             self.warm_up()
 
     def warm_up(self):
-        """Build the GPU kernels (Triton compiles them at first use) and the round's graphs of one and two
-        requests before any generate the caller times."""
+        """Build the GPU kernels (Triton compiles them at first use, and caches them on disk) and the graphs
+        of one short request before any generate the caller times; other graphs are captured at first use."""
         t0 = time.perf_counter()
-        for lengths in ((5, 16), (16,)):
-            self.generate([[self.cfg.bos_token_id] * n for n in lengths], max_new_tokens=2)
+        self.generate([[self.cfg.bos_token_id] * 16], max_new_tokens=2)
         where = f"{torch.cuda.get_device_name(self.device)}, kernels: {self.model.ops.name}"
         if tp_rank() == 0:
             print(f"nano-nsa: {where}; built them in {time.perf_counter() - t0:.1f} s", file=sys.stderr)
@@ -1538,27 +1588,31 @@ class LLM:
         return [self.result(r, return_logits) for r in reqs]
 
     def prefill(self, chunks):
-        """Prompt chunks [(request, first position, length)] into the KV cache: the main model over their
-        rows, then the MTP layer over the same rows (its own KV), position p pairing the main hidden h_p with
-        the prompt's next token x_{p+1}. A prompt's last token x_{P-1} is not prefilled: it is x_L of the
-        request's first decode round, so every token a request emits is drawn by a round. That round's k
-        drafts all repeat the MTP layer's guess of x_P from the last prefilled row, an argmax, so drawn from a
-        one-hot q (exact acceptance). Only d_1 is a real guess (chaining would need MTP decode steps here):
-        d_2..d_k are placeholders, mostly rejected, free as their verify rows run anyway."""
+        """Prompt chunks [(request, first position, length)] into the KV cache (prompt_pass), as a CUDA graph
+        if they run as decode rows (Scheduler.form) and are at most PROMPT_GRAPH_ROWS in all, else eagerly.
+        A prompt's last token x_{P-1} is not prefilled: it is x_L of the request's first decode round, so
+        every token a request emits is drawn by a round. That round's k drafts all repeat the MTP layer's
+        guess of x_P from the last prefilled row, an argmax, so drawn from a one-hot q (exact acceptance).
+        Only d_1 is a real guess (chaining would need MTP decode steps here): d_2..d_k are placeholders,
+        mostly rejected, free as their verify rows run anyway."""
         reqs, starts, lens = zip(*chunks, strict=True)
-        meta = Meta.build("prefill", starts, lens, self.pool.table(reqs))
-        pairs = [r.tokens[p : p + 2] for r, s, n in chunks for p in range(s, s + n)]  # (x_p, x_{p+1})
-        tokens = to_device(torch.tensor(pairs), self.device)
-        h = self.model(tokens[:, 0], meta, self.cache)
+        # the step's rows [4, T] on the host: x_p, x_{p+1}, p and the request of each
+        rows = torch.cat([prompt_rows(r.tokens, s, n, b) for b, (r, s, n) in enumerate(chunks)], 1)
+        mode, table = self.scheduler.form(starts[0], lens[0]), self.pool.table(reqs)
+        table = table[:, : max(s + n for s, n in zip(starts, lens, strict=True))]  # W: the longest row's
+        if self.graphs and mode == "decode" and rows.shape[1] <= PROMPT_GRAPH_ROWS:
+            h = self.graphs.prompt(rows, table)
+        else:  # (cu_seqlens: each request's rows, for the references and the per-head form)
+            rows, cu_seqlens = to_device(rows, self.device), list(accumulate(lens, initial=0))
+            h = prompt_pass(self.model, self.cache, rows, table, self.num_draft, mode, cu_seqlens)
         for r, _, n in chunks:
             r.num_cached += n
-        ends = zip(reqs, meta.cu_seqlens[1:], strict=True)  # (each request, the end of its rows)
-        done = [(r, end - 1) for r, end in ends if r.num_cached == r.prompt_len - 1]  # prompts now prefilled
+        ends = accumulate(lens)  # (each request's rows end there)
+        done = [(r, end - 1) for r, end in zip(reqs, ends, strict=True) if r.num_cached == r.prompt_len - 1]
         guess = None
-        if self.num_draft:
-            h = self.model.mtp_forward(tokens[:, 1], h, meta, self.cache)
-            if done:  # x_P, the guess every draft of their first round repeats
-                guess = self.model.mtp[0].logits(h[[row for _, row in done]]).argmax(-1)[:, None]
+        if self.num_draft and done:  # x_P, the guess every draft of their first round repeats
+            last = to_device(torch.tensor([row for _, row in done]), self.device)  # (h[list] would wait)
+            guess = self.model.mtp[0].logits(h[last]).argmax(-1)[:, None]
         self.start([r for r, _ in done], guess)  # they decode from now on: their rows of the decode state
 
     def decode(self, reqs):

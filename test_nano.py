@@ -127,7 +127,7 @@ def single_prefill(model, tokens, num_slots=512):
     """Run one sequence from position 0; returns (hidden, meta, cache)."""
     cache = m.KVCache(model.cfg, num_slots)
     table = torch.randperm(num_slots)[None]  # a scattered page table: slots are looked up
-    meta = m.Meta.build("prefill", [0], [len(tokens)], table)
+    meta = build_meta("prefill", [0], [len(tokens)], table)
     return model(tokens, meta, cache), meta, cache
 
 
@@ -540,14 +540,15 @@ def test_residual_stream_adds_every_half(model):
     ), "final norm"
 
 
-def test_meta_decode_equals_meta_build():
+def test_meta_decode_equals_meta_rows():
     """Meta.decode (a round's rows from start positions on the device, through the op decode_rows) against
-    Meta.build (the same rows made from host lists): positions, row requests, slots, causal lengths."""
+    Meta.rows (the same rows as prompt_rows makes them on the host): positions, row requests, slots, causal
+    lengths."""
     table = torch.randperm(5000)[:120].view(3, 40) + 1
     start = torch.tensor([5, 0, 33])
     for n in (1, 4):
         got = m.Meta.decode(m.TORCH_OPS, start, n, table)
-        want = m.Meta.build("decode", start.tolist(), [n] * 3, table)
+        want = build_meta("decode", start.tolist(), [n] * 3, table)
         for name in ("positions", "row_req", "slots", "ctx_lens"):
             assert torch.equal(getattr(got, name), getattr(want, name)), (n, name)
         assert got.cu_seqlens == want.cu_seqlens and got.table is table
@@ -584,10 +585,10 @@ def _prefill_then_decode(model, prompt, extra):
     attn = model.layers[1].attn
     ins, sel, o = [], [], []
     hook = capture(attn, ins)
-    model(prompt, m.Meta.build("prefill", [0], [len(prompt)], table), cache)
+    model(prompt, build_meta("prefill", [0], [len(prompt)], table), cache)
     hook.remove()
     hooks = [capture(attn, ins), capture(attn.indexer, sel, "output"), capture(attn.wo, o)]
-    meta = m.Meta.build("decode", [len(prompt)], [len(extra)], table)
+    meta = build_meta("decode", [len(prompt)], [len(extra)], table)
     model(extra, meta, cache)
     for hk in hooks:
         hk.remove()
@@ -647,7 +648,7 @@ def test_sparse_with_topk_covering_context_equals_dense(model, monkeypatch):
     for mode in ("decode", "prefill"):
         got = {"x": [], "o": []}
         hooks = [capture(attn, got["x"]), capture(attn.wo, got["o"])]
-        cache, meta = m.KVCache(cfg, 512), m.Meta.build(mode, [0], [70], table)
+        cache, meta = m.KVCache(cfg, 512), build_meta(mode, [0], [70], table)
         calls.clear()
         model(tokens, meta, cache)
         for hk in hooks:
@@ -721,16 +722,16 @@ def test_decode_token_by_token_equals_prefill(model):
     seqs = [torch.randint(6, cfg.vocab_size, (n + steps,)) for n in lens]
     table = torch.randperm(3 * 128).view(3, 128)
     ref_cache = m.KVCache(cfg, 3 * 128)
-    full = m.Meta.build("prefill", [0] * 3, [len(s) for s in seqs], table)
+    full = build_meta("prefill", [0] * 3, [len(s) for s in seqs], table)
     ref = model.logits(model(torch.cat(seqs), full, ref_cache))
     cache = m.KVCache(cfg, 3 * 128)
     model(
         torch.cat([s[:n] for s, n in zip(seqs, lens, strict=True)]),
-        m.Meta.build("prefill", [0] * 3, lens, table),
+        build_meta("prefill", [0] * 3, lens, table),
         cache,
     )
     for i in range(steps):
-        meta = m.Meta.build("decode", [n + i for n in lens], [1] * 3, table)
+        meta = build_meta("decode", [n + i for n in lens], [1] * 3, table)
         got = model.logits(
             model(torch.stack([s[n + i] for s, n in zip(seqs, lens, strict=True)]), meta, cache)
         )
@@ -754,18 +755,24 @@ def _chunk_plan(targets, max_prefill_tokens=100, index_topk=150):
     return steps
 
 
-def test_prompt_chunks_do_not_depend_on_other_requests():
+def test_prompt_chunks_do_not_depend_on_other_requests(monkeypatch):
     """A prompt is cut at multiples of max_prefill_tokens whatever runs before it (a chunk that does not fit
-    waits), and no step mixes chunks within top-k (dense) with longer ones (sparse)."""
+    waits), and no step mixes chunks of the per-head form (more than DECODE_ROWS_MAX rows, the context
+    within top-k) with decode rows."""
+    monkeypatch.setattr(m, "DECODE_ROWS_MAX", 40)  # (both forms at these sizes)
     alone = [c for step in _chunk_plan([250]) for c in step]
     assert alone == [(0, 0, 100), (0, 100, 100), (0, 200, 50)]
+    forms = set()
     for others in ([30], [30, 60], [120, 5], [260]):
         steps = _chunk_plan(others + [250])
         last = len(others)
         assert [(0, s, n) for step in steps for i, s, n in step if i == last] == alone, others
         for step in steps:
             assert sum(n for _, _, n in step) <= 100
-            assert len({s + n <= 150 for _, s, n in step}) == 1, step  # dense and sparse never together
+            step_forms = {n > 40 and s + n <= 150 for _, s, n in step}  # per-head or decode rows
+            assert len(step_forms) == 1, step  # never together
+            forms |= step_forms
+    assert forms == {True, False}  # (both occurred)
 
 
 @full
@@ -786,16 +793,16 @@ def test_two_prefill_chunks_equal_one(model):
     cut = [37, 10]
     table = torch.randperm(256).view(2, 128)
     c1, c2 = m.KVCache(cfg, 256), m.KVCache(cfg, 256)
-    one = model.logits(model(torch.cat(seqs), m.Meta.build("prefill", [0, 0], [70, 41], table), c1))
+    one = model.logits(model(torch.cat(seqs), build_meta("prefill", [0, 0], [70, 41], table), c1))
     model(
         torch.cat([s[:c] for s, c in zip(seqs, cut, strict=True)]),
-        m.Meta.build("prefill", [0, 0], cut, table),
+        build_meta("prefill", [0, 0], cut, table),
         c2,
     )
     two = model.logits(
         model(
             torch.cat([s[c:] for s, c in zip(seqs, cut, strict=True)]),
-            m.Meta.build("prefill", cut, [70 - 37, 41 - 10], table),
+            build_meta("prefill", cut, [70 - 37, 41 - 10], table),
             c2,
         )
     )
@@ -842,7 +849,7 @@ def test_fp8_latent_cache_gives_the_bf16_layouts_logits(model, monkeypatch):
             monkeypatch.setattr(m.TORCH_OPS, "store_latent", store_latent_bf16)
         logits = []
         for start, n, mode in ((0, 20, "prefill"), (20, 30, "prefill"), (50, 1, "decode"), (51, 4, "decode")):
-            meta = m.Meta.build(mode, [start], [n], table)
+            meta = build_meta(mode, [start], [n], table)
             h = model(seq[start : start + n], meta, cache)
             logits += [
                 model.logits(h),
@@ -1011,6 +1018,18 @@ def make_llm(tiny_dir, mtp, **kw):
     if key not in _LLMS:
         _LLMS[key] = m.LLM(tiny_dir, device="cpu", mtp=mtp, **kw)
     return _LLMS[key]
+
+
+def build_meta(mode, starts, lens, table):
+    """A prefill step's Meta as LLM.prefill builds it (prompt_rows, Meta.rows): request b's rows at positions
+    starts[b] .. starts[b] + lens[b] - 1, the table cut to the longest row's causal length."""
+    chunks = [
+        m.prompt_rows([0] * (s + n + 1), s, n, b) for b, (s, n) in enumerate(zip(starts, lens, strict=True))
+    ]
+    rows = torch.cat(chunks, 1).to(table.device)
+    cu_seqlens = [0, *torch.tensor(lens).cumsum(0).tolist()]
+    width = max(s + n for s, n in zip(starts, lens, strict=True))
+    return m.Meta.rows(mode, rows[2], rows[3], table[:, :width], cu_seqlens)
 
 
 def mixed_prompts(n=8, seed=12):
@@ -1713,7 +1732,7 @@ def test_mtp_drafts_match_recomputed_mtp(tiny_dir, tmp_path, monkeypatch, mtp_la
         seq = torch.tensor(p + r.token_ids)
         cache = m.KVCache(cfg, 256)
         table = torch.arange(256)[None]
-        meta = m.Meta.build("prefill", [0], [len(seq) - 1], table)
+        meta = build_meta("prefill", [0], [len(seq) - 1], table)
         h = model(seq[:-1], meta, cache)
         hm = model.mtp_forward(seq[1:], h, meta, cache)  # position p: (h_p, x_{p+1})
         d1_ref = model.mtp[0].logits(hm).argmax(-1)  # predicts x_{p+2}
@@ -1724,7 +1743,7 @@ def test_mtp_drafts_match_recomputed_mtp(tiny_dir, tmp_path, monkeypatch, mtp_la
             c2 = m.KVCache(cfg, 256)
             c2.latent[:], c2.ik[:], c2.iks[:] = cache.latent, cache.ik, cache.iks
             step = model.mtp_forward(
-                torch.tensor([d[0]]), hm[L - 1 : L], m.Meta.build("decode", [L], [1], table), c2
+                torch.tensor([d[0]]), hm[L - 1 : L], build_meta("decode", [L], [1], table), c2
             )
             assert d[1] == int(model.mtp[0].logits(step).argmax()), f"prompt {i}: second draft at L={L}"
             checked += 1
@@ -1859,8 +1878,9 @@ def test_cuda_graph_buckets():
 
 @full
 def test_verify_and_draft_extend_use_the_decode_path(tiny_dir, monkeypatch):
-    """Outside prefill steps, no row goes through the per-head (prefill) attention form (which the short
-    prompts' prefill chunks do go through: the spy sees them)."""
+    """Outside prefill steps, no row goes through the per-head (prefill) attention form (which a prompt
+    chunk of more than DECODE_ROWS_MAX rows within top-k does go through: the spy sees it)."""
+    monkeypatch.setattr(m, "DECODE_ROWS_MAX", 8)  # (the 17-token prompt's 16 rows, within top-k 32)
     llm = make_llm(tiny_dir, 3)
     in_round = [False]
     rounds, dense = [], []
@@ -2252,10 +2272,9 @@ def test_gpu_seeded_sampling_does_not_depend_on_the_batch(calm_dir, mtp):
 @gpu
 @pytest.mark.parametrize("mtp", [0, 1, 3])
 def test_gpu_cuda_graphs_equal_eager(calm_dir, mtp):
-    """Decode rounds through CUDA graphs (buckets padded with dummy rows, context bounds captured on first
-    use, plans refreshed before each replay) give the eager rounds' greedy tokens and logits bit for bit (the
-    kernels are batch-invariant: a padded batch or a wider indexer bound changes no row), and so the same
-    acceptance."""
+    """Prompt steps and decode rounds through CUDA graphs (buckets padded with dummy rows, context bounds
+    captured on first use) give the eager steps' greedy tokens and logits bit for bit (the kernels are
+    batch-invariant: a padded batch or a wider indexer bound changes no row), and so the same acceptance."""
     prompts = mixed_prompts(8)  # contexts beyond index_topk: sparse, wider bounds
     eager = m.LLM(calm_dir, device="cuda", mtp=mtp, cuda_graphs=False)
     assert eager.graphs is None
@@ -2265,8 +2284,9 @@ def test_gpu_cuda_graphs_equal_eager(calm_dir, mtp):
     got = llm.generate(prompts, max_new_tokens=16, return_logits=True)
     for r in got:  # greedy: every token is its logits row's argmax (rows kept from rounds still in flight)
         assert r.logits.argmax(-1).tolist() == r.token_ids
-    widths = {key[1] for key in llm.graphs.graphs}
+    widths = {width for _, _, width in llm.graphs.graphs}
     assert max(widths) > m.Config.tiny().index_topk, widths  # a longer context bound was captured
+    assert {kind for kind, _, _ in llm.graphs.graphs} == {"round", "prompt"}  # the prompts through graphs too
     assert_runs_identical(want, got, f"graphs vs eager mtp={mtp}")
     assert llm.stats["accept_histogram"] == eager.stats["accept_histogram"]
     print(f"mtp={mtp}: {sum(len(r.token_ids) for r in want)} tokens and their logits equal")
@@ -2476,7 +2496,7 @@ def _batch_op_attention(op, batch, gen, cfg):
     cache, table = _decode_rows(batch, ctx, cfg, gen)
 
     def meta_for(n):  # every row at the same context: the batch changes nothing but the number of rows
-        return m.Meta.build("decode", [ctx - 1] * n, [1] * n, table[:n])
+        return build_meta("decode", [ctx - 1] * n, [1] * n, table[:n])
 
     if op == "index_topk":
         q8 = (torch.randn(batch, 64, 128, device="cuda", generator=gen) * 4).to(m.FP8)
@@ -3012,7 +3032,7 @@ def _random_rows(lens_per_req, rows_per_req, gen, max_slots):
     B = len(lens_per_req)
     width = max(lens_per_req) + rows_per_req
     table = torch.stack([torch.randperm(max_slots, generator=gen, device="cuda")[:width] for _ in range(B)])
-    return m.Meta.build("decode", lens_per_req, [rows_per_req] * B, table)
+    return build_meta("decode", lens_per_req, [rows_per_req] * B, table)
 
 
 @gpu
@@ -4592,7 +4612,7 @@ def test_demo_training_copy_computes_what_the_engine_computes(tmp_path):
     toks = torch.randint(6, cfg.vocab_size, (S + 1,))
     x, nxt = toks[:-1], toks[1:]
     cache = m.KVCache(cfg, S + 1)
-    meta = m.Meta.build("prefill", [0], [S], torch.arange(S)[None])
+    meta = build_meta("prefill", [0], [S], torch.arange(S)[None])
     h = eng(x, meta, cache)
     want = [eng.logits(h), eng.mtp[0].logits(eng.mtp_forward(nxt, h, meta, cache))]
     td.QAT["on"] = True

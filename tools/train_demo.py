@@ -426,7 +426,8 @@ def engine_loss(path, chunks, device):
     table = torch.arange(SEQ, device=device)[None]
     for ch in chunks:
         ch = torch.as_tensor(ch, device=device)
-        h = model(ch[:-1], m.Meta.build("prefill", [0], [SEQ], table), cache)
+        positions = torch.arange(SEQ, device=device)
+        h = model(ch[:-1], m.Meta.rows("prefill", positions, positions * 0, table, [0, SEQ]), cache)
         out.append(F.cross_entropy(model.logits(h), ch[1:]).item())
     return out
 
