@@ -404,66 +404,11 @@ def decode(args, out):
     out.update(decode=res, decode_extra=extra)
 
 
-def demo_pass(llm, prompts, kind, bs):
-    """One pass over the prompts, 128 new tokens each, each alone (bs=1) or all in one generate call, prompt i
-    seeded i either way -> (tokens/s, results). kind "sampled": temperature 0.6, top_p 0.95."""
-    sampling = dict(temperature=0.6, top_p=0.95) if kind == "sampled" else {}
-    t0 = time.perf_counter()
-    if bs == 1:
-        got = [llm.generate(p, 128, seed=i, raw=True, **sampling)[0] for i, p in enumerate(prompts)]
-    else:
-        got = llm.generate(prompts, 128, seed=0, raw=True, **sampling)
-    return sum(len(r.token_ids) for r in got) / (time.perf_counter() - t0), got
-
-
 def demo(args, out):
-    """The demo model's held-out prompts, tokens/s end to end (the median of five passes, the settings
-    interleaved so that the machine's drift falls on each alike). Greedy at bs=1, --mtp 0, 1, 3: speedup over
-    --mtp 0, mean accepted length, whether the tokens equal its. Sampled vs greedy at bs=1 and at one batch of
-    every prompt (one generate call), --mtp 0 and 3: their ratio, sampled --mtp 3 / 0, accepted length."""
-    with open(os.path.join(hf_checkpoint.DEMO_DIR, "eval.json")) as f:
-        prompts = json.load(f)["prompts"]
-    n = len(prompts)
-    llms = {k: m.LLM(device="cuda", mtp=k) for k in (0, 1, 3)}
-    settings = [("greedy", 1, 1)]  # and greedy and sampled at bs=1 and bs=n with --mtp 0, 3
-    settings += [(kind, k, bs) for kind in ("greedy", "sampled") for k in (0, 3) for bs in (1, n)]
-    speeds = {s: [] for s in settings}
-    got = {}  # each setting's results (the same in every pass: greedy, or sampled with fixed seeds)
-    for i in range(6):  # pass 0 not timed: JIT builds, the round graphs
-        for kind, k, bs in settings:
-            tok_s, got[kind, k, bs] = demo_pass(llms[k], prompts, kind, bs)
-            if i:
-                speeds[kind, k, bs].append(tok_s)
-    for s in settings:
-        print(f"{s}: tokens/s of the passes {[round(x) for x in speeds[s]]}", flush=True)
-    tok_s = {s: statistics.median(v) for s, v in speeds.items()}
-    accept = {
-        s: statistics.mean(a for r in v for a in r.accept_lengths) if s[1] else 1 for s, v in got.items()
-    }
-    greedy, sampled = [], []
-    for k in (0, 1, 3):
-        s, plain = ("greedy", k, 1), ("greedy", 0, 1)
-        equal = sum(a.token_ids == b.token_ids for a, b in zip(got[s], got[plain], strict=True))
-        greedy.append(dict(mtp=k, tok_s=tok_s[s], speedup=tok_s[s] / tok_s[plain]))
-        greedy[-1].update(mean_accept=accept[s], equal_to_mtp0=equal)
-    for bs in (1, n):
-        for k in (0, 3):
-            s, g = ("sampled", k, bs), ("greedy", k, bs)
-            row = dict(bs=bs, mtp=k, tok_s=tok_s[s], greedy_tok_s=tok_s[g], vs_greedy=tok_s[s] / tok_s[g])
-            sampled.append(dict(row, vs_mtp0=tok_s[s] / tok_s["sampled", 0, bs], mean_accept=accept[s]))
-    table(
-        f"demo model, bs=1, {n} held-out prompts x 128 new tokens, greedy, CUDA graphs, median of 5 passes",
-        "--mtp | tokens/s | speedup vs --mtp 0 | mean accepted length | requests equal to --mtp 0",
-        [tuple(r.values()) for r in greedy],
-    )
-    table(
-        f"demo model, {n} held-out prompts x 128 new tokens, sampled (temperature 0.6, top_p 0.95, fixed "
-        f"seeds) vs greedy; bs={n}: one generate call; CUDA graphs, median of 5 passes",
-        "bs | --mtp | sampled tokens/s | greedy tokens/s | sampled / greedy | sampled / sampled --mtp 0 | "
-        "mean accepted length (sampled)",
-        [tuple(r.values()) for r in sampled],
-    )
-    out.update(demo=greedy, demo_sampling=sampled)
+    """The trained demo model end to end: bench_demo.py."""
+    import bench_demo
+
+    bench_demo.demo(args, out)
 
 
 MODES = dict(decode=decode, demo=demo)

@@ -162,6 +162,15 @@ def demo_tables(run):
         header += ["sampled / sampled `--mtp 0`", "tokens a round (sampled)"]
         title = "The demo model, sampled (temperature 0.6, top-p 0.95, fixed seeds) against greedy"
         lines += section(title, run, header, cells)
+    first = run.get("demo_first_token", [])
+    if first:
+        cells = [[str(r["mtp"]), str(r["bs"]), fmt(r.get("first_token_ms"), ".2f")] for r in first]
+        for c, r in zip(cells, first, strict=True):
+            share = {(s["bs"], s["mtp"]): s.get("greedy_prefill") for s in sampled}.get((r["bs"], r["mtp"]))
+            c += [fmt(share, ".2f"), fmt(r.get("llm_s"), ".2f")]
+        header = ["`--mtp`", "bs", "time to first token, ms", "prefill share of the greedy pass", "`LLM()` s"]
+        title = "The demo model, time to first token (prefill and one round): a prompt alone, all in one call"
+        lines += section(title, run, header, cells)
     return lines
 
 
