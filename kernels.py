@@ -16,6 +16,7 @@ one on a CUDA device alone.
 
 import gc
 import sys
+import threading
 import time
 from dataclasses import replace
 from types import SimpleNamespace
@@ -51,6 +52,11 @@ from fp8_gemm import (  # noqa: F401  (re-exported: kernels.act_quant, kernels.g
     swiglu_linear,
 )
 from sampling_kernels import probs_from_logits, rejection_sample, sample
+
+# Triton keys its kernel cache by a hash of its own installation, computed at a process's first kernel call
+# (about 0.4 s). Started here, on a thread (hashing releases the GIL), it overlaps the weights' loading.
+if hasattr(triton.runtime.cache, "triton_key"):
+    threading.Thread(target=triton.runtime.cache.triton_key, daemon=True).start()
 
 
 def unsupported(device: torch.device):
@@ -784,15 +790,19 @@ def side_by_side(first, first_args, second, second_args):
     the higher priority, so second should be the longer chain. A part may fork again: each depth has a stream
     of its own. Both parts read only tensors that their caller holds until the join, so neither stream frees
     what the other reads; split-K GEMMs on two streams count tiles in separate arrays (fp8_gemm._LOCKS)."""
-    main = torch.cuda.current_stream()
+    # (streams looked up by device index: torch's lookup of "the current device" asks the driver each time)
+    main = torch.cuda.current_stream(torch.cuda.current_device())
     streams = _SIDE_STREAMS.setdefault(main.device, [])
     depth = stream_depth(main.device)
     if depth == len(streams):
         streams.append(torch.cuda.Stream(main.device, priority=-1))
     side = streams[depth]
     side.wait_stream(main)
-    with torch.cuda.stream(side):
+    torch.cuda.set_stream(side)
+    try:
         second_out = second(*second_args)
+    finally:
+        torch.cuda.set_stream(main)
     first_out = first(*first_args)
     main.wait_stream(side)
     return first_out, second_out
@@ -867,8 +877,8 @@ def moe(x, weights, idx, experts):
 
 # ---- The engine's GPU mechanics: CUDA graph capture and the read-back of a round ----
 def capture(fn, pool, inputs, what):
-    """fn() captured as a CUDA graph after one eager run (which builds and autotunes its kernels) -> (the
-    graph, fn's outputs, which each replay overwrites). pool: the memory pool the graphs share
+    """fn() captured as a CUDA graph after one eager run (which builds its kernels) -> (the graph, fn's
+    outputs, which each replay overwrites). pool: the memory pool the graphs share
     (torch.cuda.graph_pool_handle()). inputs: the tensors fn reads, zeroed for the warm-up run
     (every row of a round then writes the dummy slot 0; a replay reads what is copied in later), restored
     after the capture. what: a line to stderr names the graph."""
@@ -881,7 +891,7 @@ def capture(fn, pool, inputs, what):
     graph = torch.cuda.CUDAGraph()
     collecting = gc.isenabled()
     gc.disable()  # an old engine's graphs, freed by the collector during a capture, would break it
-    try:
+    try:  # (torch.cuda.graph empties the allocator's cache first: an old engine's freed pool is reused)
         with torch.cuda.graph(graph, pool):
             out = fn()
     finally:
@@ -964,7 +974,7 @@ def read_back(x):
     host = torch.empty(x.shape, dtype=x.dtype, pin_memory=True)
     host.copy_(x, non_blocking=True)
     copied = torch.cuda.Event()
-    copied.record()
+    copied.record(torch.cuda.current_stream(x.device))
 
     def wait():
         copied.synchronize()
