@@ -17,6 +17,8 @@ Dimension legend used in shape comments:
   C kv_lora_rank (512)   I indexer heads (64)   J index_head_dim (128)   K index_topk (2048)
   E routed experts   A activated experts per token   F moe_inter_dim (2048)   S slots in the KV pool
   k draft tokens per round   W the page table's width, a bound on every row's causal length (Meta.max_ctx)
+Part 2's words that Part 1 uses: a verify row is the main model's row for a drafted token; a draft is a token
+the MTP layer guesses; slot 0 of the KV pool is a dummy that rows holding no real token write (PagePool).
 """
 
 from __future__ import annotations
@@ -171,7 +173,7 @@ def weight_dequant(w: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
 
 def acc_dtype(x: torch.Tensor):
     """Accumulation dtype of matmuls: fp32 on a GPU, as the reference; fp64 on a CPU, where a sum's order then
-    never shows once rounded, so results do not depend on the batch (docs/model.md §10)."""
+    practically never shows once rounded, so results do not depend on the batch (docs/model.md §10)."""
     return torch.float64 if x.device.type == "cpu" else torch.float32
 
 
@@ -493,7 +495,8 @@ def index_scores(q8, w, k8, ks):
 
 def topk_positions(scores, ctx_lens, topk):
     """Top-min(topk, N) positions of each row among its causal context (n < ctx_lens[t]); -1 pads short
-    rows. A row whose context fits in top-k selects all of it, in position order (as the kernel does)."""
+    rows. A row whose context fits in top-k selects all of it, in position order (as the kernel does). E.g.
+    topk 4, N 6: a row of causal length 3 -> [0, 1, 2, -1]; of length 6 -> its 4 best-scored of 0..5."""
     n = torch.arange(scores.shape[-1], device=scores.device)
     scores = scores.masked_fill(n[None, :] >= ctx_lens[:, None], float("-inf"))  # causal mask before top-k
     # ties (ReLU's exact zeros are common) to the earliest position: top_indices
@@ -1065,8 +1068,8 @@ def rejection_sample(p, q, drafts, seeds, start):
     output follows p exactly. Greedy, temperature 0, is its one-hot case: p(d) = 1 at the argmax, so u q(d) <=
     1 keeps that draft whatever q is; p(d) = 0 rejects any other; max(p - q, 0) is non-zero only at the argmax
     (else the draw falls back to p): the longest prefix of drafts equal to the argmax, then the argmax.
-    For example, k = 3 and the tests keep d_1, d_2, not d_3: a = 2 drafts accepted, t is drawn from row 2's
-    residual, emitted [d_1, d_2, t, d_3] (a request emits its first counts = 3; the rest is never read)."""
+    For example, k = 3 and the acceptance tests keep d_1, d_2, not d_3: a = 2 accepted, t is drawn from
+    row 2's residual, emitted [d_1, d_2, t, d_3] (a request emits its first counts = 3, never the rest)."""
     B, n, _ = p.shape
     zero = torch.zeros_like(p[:, :1])
     # [B, k+1, V]: the drafts' distributions, then zeros (after k acceptances the residual is p itself)
@@ -1074,13 +1077,13 @@ def rejection_sample(p, q, drafts, seeds, start):
     positions = start[:, None] + 1 + torch.arange(n, device=start.device)  # of the token each row decides
     px, qx = (d[:, :-1].gather(-1, drafts[..., None])[..., 0] for d in (p, q))  # [B, k]: p(d_j), q(d_j)
     u = uniform(seeds[:, None], positions[:, :-1], ACCEPT, 1)[..., 0]
-    kept = (u * qx <= px) & (px > 0)  # [B, k] each draft's test (p > 0: where q is 0 too, 0 <= 0 would pass)
-    # a [B]: the drafts accepted, those before the first failed test (kept [1, 1, 0]: cumprod [1, 1, 0], 2)
-    a = kept.long().cumprod(1).sum(1)
+    passes = (u * qx <= px) & (px > 0)  # [B, k] each draft's test (p > 0: where q is 0 too, 0 <= 0 passes)
+    # a [B]: the drafts accepted, those before the first failed test (passes [1, 1, 0]: cumprod [1, 1, 0], 2)
+    a = passes.long().cumprod(1).sum(1)
     rows = torch.arange(B, device=start.device)
-    last = sample(residual_probs(p[rows, a], q[rows, a]), seeds, positions[rows, a], TARGET)  # row a's token
-    emitted = torch.cat([drafts, last[:, None]], 1)  # [B, k+1]: d_1..d_k, then a free column
-    emitted[rows, a] = last  # t after the a accepted drafts (what follows it is not emitted)
+    t = sample(residual_probs(p[rows, a], q[rows, a]), seeds, positions[rows, a], TARGET)  # row a's token
+    emitted = torch.cat([drafts, t[:, None]], 1)  # [B, k+1]: d_1..d_k, then a free column
+    emitted[rows, a] = t  # t after the a accepted drafts (what follows it is not emitted)
     return emitted, a + 1
 
 
@@ -1241,7 +1244,8 @@ class Scheduler:
         self.preemptions = 0
 
     def schedule(self):
-        """-> ("prefill", [(request, first position, length)]) or ("decode", [requests, pages reserved])."""
+        """-> ("prefill", chunks [(request, first position, length)]) or ("decode", the running requests, each
+        with its pages for the round reserved)."""
         self.admit()
         # (a prompt's last token is x_L of its first decode round: LLM.prefill)
         prefilling = [r for r in self.running if r.num_cached < r.prompt_len - 1]
@@ -1338,12 +1342,13 @@ def speculative_round(model, cache, state: Batch, ids, table):
     emitted, counts = accept(model.ops, batch, logits)  # 2. accept
     next_tokens = emitted  # (k = 0: the one token emitted)
     if n > 1:  # 3. draft-extend: the same rows, their positions and lengths as they are
-        kept = (torch.arange(n, device=dev) < counts[:, None]).flatten()  # [B*(k+1)] rows whose x was emitted
-        extend = replace(meta, slots=meta.slots * kept)
-        h = model.mtp_forward(emitted.flatten() * kept, h, extend, cache)
-        last = (counts - 1)[:, None]  # each request's last emitted row
+        # (the docstring's example in brackets: k = 3, L = 10, counts = 3)
+        kept = (torch.arange(n, device=dev) < counts[:, None]).flatten()  # rows x was emitted at [1, 1, 1, 0]
+        extend = replace(meta, slots=meta.slots * kept)  # (row 13 writes the dummy slot 0)
+        h = model.mtp_forward(emitted.flatten() * kept, h, extend, cache)  # x_{p+1}: [d_1, d_2, t, 0]
+        last = (counts - 1)[:, None]  # each request's last emitted row [2], position L + 2 = 12
         h = h.view(B, n, -1)[torch.arange(B, device=dev), last[:, 0]]
-        start = batch.start + counts  # L': the position of the last emitted token
+        start = batch.start + counts  # L': the position of the last emitted token [13]
         drafts, q = draft(model, cache, h, start, batch, table)  # 4. draft
         next_tokens = torch.cat([emitted.gather(1, last), drafts], 1)
         state.q[ids] = q
@@ -1375,7 +1380,10 @@ def draft(model, cache, h, start, batch, table):
     """The batch's k draft tokens per request, on the device: d_1 from the MTP row just run at position start
     - 1 (start [B]: L', the next round's, not batch.start; its hidden state h [B, dim]), then k-1 chained MTP
     decode steps at positions start, start + 1, ... -> (drafts [B, k], the distributions q [B, k, vocab] they
-    were drawn from: one-hot on the argmax for a greedy request)."""
+    were drawn from: one-hot on the argmax for a greedy request). With speculative_round's example, L' = 13:
+      step 0   h from the MTP row at 12 (x_13 = t)        -> d'_1, the token at 14
+      step 1   MTP row at 13: h chained, input d'_1         -> d'_2, the token at 15
+      step 2   MTP row at 14: h chained, input d'_2         -> d'_3, the token at 16"""
     tokens, dists = [], []
     for step in range(batch.tokens.shape[1] - 1):
         if step:  # the MTP layer's own output h, chained with the draft before, at position start + step - 1
@@ -1572,11 +1580,11 @@ class LLM:
         rounds = 0
         try:
             while self.scheduler.waiting or self.scheduler.running:  # a step: schedule, run, retire
-                mode, batch = self.scheduler.schedule()
+                mode, work = self.scheduler.schedule()
                 if mode == "prefill":
-                    self.prefill(batch)
-                elif batch:
-                    rounds += self.decode(batch)  # (False: the round in flight ended every request)
+                    self.prefill(work)
+                elif work:
+                    rounds += self.decode(work)  # (False: the round in flight ended every request)
                 self.scheduler.retire()
             self.settle()  # a round launched after its requests finished: nothing to emit
         except BaseException:  # interrupted (Ctrl-C, an on_tokens that raised): no request is left behind
