@@ -291,7 +291,7 @@ def narrate_lines(rec, idx, result):
 
 
 def prefill_lines(rec, idx, req, prefills):
-    """The prompt's chunks: positions, dense or sparse, what the indexer kept; the MTP layer's guess."""
+    """The prompt's chunks: positions, all kept or top K, what the indexer kept; the MTP layer's guess."""
     P, K = req.prompt_len, rec.cfg.index_topk
     if not prefills:
         return ["", "prefill: none (a one-token prompt: its token is x_L of round 1)"]
@@ -322,21 +322,21 @@ def prefill_lines(rec, idx, req, prefills):
 
 
 def form(att, K, short=False):
-    """How a pass's rows attend: dense (the indexer skipped) or sparse (it scored and selected)."""
+    """What a pass's indexer did: kept all (it skipped the scoring) or kept the top K (it scored)."""
     if att is None:
         return "(not recorded)"
     if short and att.scored:
-        return f"sparse: the table is {att.width} wide > K, the indexer scored each row's context, kept {K}"
+        return f"top K: the table is {att.width} wide > K, the indexer scored each row's context, kept {K}"
     if short:
-        return f"dense: the table is {att.width} wide <= K, the indexer kept every row's context unscored"
+        return f"all kept: the table is {att.width} wide <= K, the indexer kept every row's context unscored"
     if not att.scored:
         return (
-            f"dense: the table is {att.width} wide <= K = {K}, so the indexer keeps every row's whole causal "
-            "context without scoring (index_topk is not called); causal attention, per head"
+            f"all kept: the table is {att.width} wide <= K = {K}, so the indexer keeps every row's whole "
+            "causal context without scoring (index_topk is not called)"
         )
     return (
-        f"sparse: the table is {att.width} wide > K = {K}, so the indexer scores each row's causal context "
-        f"and keeps its top {K} (index_topk); MLA attends to the kept positions only (absorbed form)"
+        f"top K: the table is {att.width} wide > K = {K}, so the indexer scores each row's causal context "
+        f"and keeps its top {K} (index_topk); MLA attends to the kept positions only"
     )
 
 

@@ -385,7 +385,8 @@ class Meta:
     def max_ctx(self):
         """W, the table's width: the indexer scores W positions, no row's causal length exceeds W. Meta.rows:
         the longest row's; a decode round: LLM.decode's bound (CudaGraphs.width rounds it up). W <= K also
-        means the indexer selects every position without scoring, and a prompt chunk attends densely (MLA)."""
+        means the indexer selects every position without scoring (and a long prompt chunk may attend in the
+        per-head form: MLA.forward)."""
         return self.table.shape[1]
 
     @classmethod
@@ -1199,7 +1200,7 @@ class PagePool:
         return True
 
     def table(self, reqs):
-        """[B, N] slot of every position of each request (the page size 1 view that the kernels read); the
+        """[B, W] slot of every position of each request (the page size 1 view that the kernels read); the
         last one made again while no pages changed (consecutive rounds of a batch share one)."""
         key = (self.changes, [id(r) for r in reqs])
         if self.last_table[0] == key:
@@ -1414,9 +1415,9 @@ def graph_buckets(max_bs):
     return sorted({b for b in (1, 2, 4, 8, *range(16, max_bs, 16)) if b < max_bs} | {max_bs})
 
 
-# A prefill step of decode rows (Scheduler.form) with at most this many rows replays a graph of prompt_pass:
-# one per power of two from 16 rows. Longer steps run eagerly (a step holds at most max_prefill_tokens).
-PROMPT_GRAPH_ROWS = 1024
+# A prefill step of decode rows (Scheduler.form) replays a graph of prompt_pass, padded to the smallest of
+# these row counts that holds it; longer steps run eagerly (a step holds at most max_prefill_tokens rows).
+PROMPT_BUCKETS = (16, 32, 64, 128, 256, 512, 1024)
 
 
 class CudaGraphs:
@@ -1434,16 +1435,15 @@ class CudaGraphs:
         self.max_width = -(-context // page_size) * page_size
         self.table = torch.zeros(max_batch + 1, self.max_width, dtype=torch.long, device=llm.device)
         self.ids = self.table.new_zeros(max_batch)  # the round's rows of the decode state
-        self.prompt_rows = self.table.new_zeros(4, PROMPT_GRAPH_ROWS)  # x_p, x_{p+1}, p, request, a row each
+        self.prompt_rows = self.table.new_zeros(4, PROMPT_BUCKETS[-1])  # x_p, x_{p+1}, p, request, a row each
         self.graphs = {}
         self.memory_pool = torch.cuda.graph_pool_handle()  # one CUDA memory pool for all of them
 
     def width(self, max_ctx):
         """The context bound a step runs under (the indexer's width), from the width of its table: index_topk
-        if that covers it, else the next power of two (at most max_width)."""
-        if max_ctx <= self.model.cfg.index_topk:
-            return self.model.cfg.index_topk
-        return min(1 << (max_ctx - 1).bit_length(), self.max_width)
+        if that covers it, else the next power of two; at most max_width."""
+        topk = self.model.cfg.index_topk
+        return min(topk if max_ctx <= topk else 1 << (max_ctx - 1).bit_length(), self.max_width)
 
     def run(self, ids, table):
         """speculative_round's replay for the requests of rows ids [B] (table [B, W]: W bounds their contexts)
@@ -1459,7 +1459,7 @@ class CudaGraphs:
         """prompt_pass's replay for a prefill step's rows [4, T] (on the host: prompt_rows) of B requests
         (table [B, W]) -> the hidden states of its rows, then padding's (overwritten by the next replay)."""
         (B, W), T = table.shape, rows.shape[1]
-        n = next(16 << i for i in range(7) if 16 << i >= T)  # (16 << 6: PROMPT_GRAPH_ROWS)
+        n = next(b for b in PROMPT_BUCKETS if b >= T)
         padding = prompt_rows([0, 0], 0, 1, B).expand(4, n - T)  # position 0 of table row B: dummy slot 0
         self.prompt_rows[:, :n] = to_device(torch.cat([rows, padding], 1), self.table.device)
         self.table[:B, :W], self.table[B] = table, 0
@@ -1597,7 +1597,7 @@ class LLM:
 
     def prefill(self, chunks):
         """Prompt chunks [(request, first position, length)] into the KV cache (prompt_pass), as a CUDA graph
-        if they run as decode rows (Scheduler.form) and are at most PROMPT_GRAPH_ROWS in all, else eagerly.
+        if they run as decode rows (Scheduler.form) and fit the largest of PROMPT_BUCKETS, else eagerly.
         A prompt's last token x_{P-1} is not prefilled: it is x_L of the request's first decode round, so
         every token a request emits is drawn by a round. That round's k drafts all repeat the MTP layer's
         guess of x_P from the last prefilled row, an argmax, so drawn from a one-hot q (exact acceptance).
@@ -1608,7 +1608,7 @@ class LLM:
         rows = torch.cat([prompt_rows(r.tokens, s, n, b) for b, (r, s, n) in enumerate(chunks)], 1)
         mode, table = self.scheduler.form(starts[0], lens[0]), self.pool.table(reqs)
         table = table[:, : max(s + n for s, n in zip(starts, lens, strict=True))]  # W: the longest row's
-        if self.graphs and mode == "decode" and rows.shape[1] <= PROMPT_GRAPH_ROWS:
+        if self.graphs and mode == "decode" and rows.shape[1] <= PROMPT_BUCKETS[-1]:
             h = self.graphs.prompt(rows, table)
         else:  # (cu_seqlens: each request's rows, for the references and the per-head form)
             rows, cu_seqlens = to_device(rows, self.device), list(accumulate(lens, initial=0))

@@ -77,7 +77,7 @@ def check_rounds(llm, result, text, k):
             assert pos == L + j and ctx == pos + 1 and of == ctx and kept == min(K, ctx), (i, rows[j])
         assert rows[0][5] == show(llm, (llm.encode(PROMPT, raw=True) + result.token_ids)[L])  # x_L
         assert (
-            "sparse: the table is" in " ".join(section.split()) and int(rows[0][2]) > K
+            "top K: the table is" in " ".join(section.split()) and int(rows[0][2]) > K
         )  # the indexer really selected
         count = int(re.search(r"emitted (\d+): (.*)", section)[1])
         assert count == result.accept_lengths[i]
@@ -126,7 +126,7 @@ def check_dense(llm, rec):
     text = short.narrate(result)
     atts = [a for s in short.steps for a in s.attention]
     assert atts and not any(a.scored for a in atts) and all(a.kept == a.ctx_lens for a in atts)
-    assert "dense: the table is" in text and "index_topk is not called" in text, text
+    assert "all kept: the table is" in text and "index_topk is not called" in text, text
 
 
 def explain_on(device):

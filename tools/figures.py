@@ -127,7 +127,7 @@ def draw_selection(rec):
         ax.imshow(grid.numpy(), cmap=cmap, vmin=0, vmax=2, interpolation="nearest", aspect="auto")
         for a in atts:  # the prefill chunks, labelled in the white (future) corner
             first, last = a.positions[0], a.positions[-1]
-            how = f"sparse: top {K}" if a.scored else "dense: all kept"
+            how = f"top {K} kept" if a.scored else "all kept"
             ax.axhline(first - 0.5, color=ORANGE if first else GREY, lw=1, ls="--")
             ax.text(n - 3, first + 2, f"chunk {first}..{last}\n{how}", ha="right", va="top", fontsize=9)
         marks = [(p, share) for p, share in landmarks(grid, K) if share >= 0.9]
@@ -418,7 +418,7 @@ def draw_life(rec):
         if isinstance(step, explain.Prefill):
             _, s, n = step.chunks[0]
             scored = any(a.scored for a in step.attention)
-            label = f"prefill\n{s}..{s + n - 1}\n{'sparse' if scored else 'dense'}"
+            label = f"prefill\n{s}..{s + n - 1}\n{f'top {rec.cfg.index_topk}' if scored else 'all kept'}"
             box(top, x, 0.1, "", "#7d9bc9" if scored else "#b9c9e3", label, dark=False, size=10.5)
         else:
             count, kept = step.counts[0], len(step.kept.get(0, ([], None))[0])
