@@ -53,6 +53,11 @@ from fp8_gemm import (  # noqa: F401  (re-exported: kernels.act_quant, kernels.g
 )
 from sampling_kernels import probs_from_logits, rejection_sample, sample
 
+try:  # Gluon, Triton's lower-level frontend (Triton >= 3.5): the Hopper sparse MLA kernel
+    import mla_hopper
+except ImportError:
+    mla_hopper = None
+
 # Triton keys its kernel cache by a hash of its own installation, computed at a process's first kernel call
 # (about 0.4 s). Started here, on a thread (hashing releases the GIL), it overlaps the weights' loading.
 if hasattr(triton.runtime.cache, "triton_key"):
@@ -180,6 +185,8 @@ def index_topk(q8, qs, weights, scale, cache, meta, topk):
 MLA_CHUNK = 128  # selected slots per program: a row's split follows its own selection, never the batch
 MLA_BLOCK_N = 128  # slots per inner step: a chunk is one step (64-slot steps: 10-40% slower at every size)
 MLA_BLOCK_H = 64  # heads per program (fewer for a model with fewer heads), whatever the number of rows
+LOG2E = 1.4426950408889634  # log2(e)
+MLA_HOPPER_CHUNK = 512  # selected slots per program of the Gluon kernel (mla_hopper), a fixed split too
 MLA_PARTIAL_BYTES = 256 << 20  # bound on the fp32 partial outputs of one launch (long prefills run in parts)
 WORKSPACE_BYTES = 256 << 20  # trtllm-gen's workspace (Blackwell)
 _BLACKWELL = {}  # that workspace, made at the first call (zeroed, as trtllm-gen requires)
@@ -303,20 +310,28 @@ def _mla_combine_kernel(part_ptr, ml_ptr, out_ptr, T, H, SPLITS: tl.constexpr, C
 
 def sparse_mla(q_abs, q_pe, cache, selected, meta, scale):
     """Kernel of nano_nsa.sparse_mla: bf16 q and cache, fp32 softmax and sums, bf16 out. Batch-invariant: a
-    row is split into chunks of MLA_CHUNK of its own selected slots, merged in chunk order, whatever else runs
-    (flashinfer's FA3 scheduler splits the KV by the number of rows: a row's bits changed with its batch).
-    On Blackwell at DeepSeek's shapes the rows go to trtllm-gen instead (sparse_mla_path), which is not."""
-    if sparse_mla_path(q_abs.device, *q_abs.shape[1:], q_pe.shape[-1]) == "trtllm-gen":
-        return _sparse_mla_blackwell(q_abs, q_pe, cache, selected, meta, scale)
+    row is split into chunks of a fixed number of its own selected slots, merged in chunk order, whatever else
+    runs (flashinfer's FA3 scheduler splits the KV by the number of rows: a row's bits changed with its
+    batch). On Hopper at DeepSeek's shapes the rows go to mla_hopper's Gluon kernel (sparse_mla_path); on
+    Blackwell to trtllm-gen, which is not batch-invariant."""
     T, H, C = q_abs.shape
     R = q_pe.shape[-1]
+    path = sparse_mla_path(q_abs.device, H, C, R)
+    if path == "trtllm-gen":
+        return _sparse_mla_blackwell(q_abs, q_pe, cache, selected, meta, scale)
     W = selected.shape[1]
-    splits = triton.cdiv(W, MLA_CHUNK)
-    block_h = min(MLA_BLOCK_H, max(16, triton.next_power_of_2(H)))  # a launch config fixed by the model
+    if path == "gluon":  # (scale in log2 units: its softmax runs in exp2)
+        kernel, block_h, chunk, scale = mla_hopper.sparse_mla_kernel, 64, MLA_HOPPER_CHUNK, scale * LOG2E
+        config = dict(num_warps=8)
+    else:
+        kernel, chunk = _sparse_mla_kernel, MLA_CHUNK
+        block_h = min(MLA_BLOCK_H, max(16, triton.next_power_of_2(H)))  # a launch config fixed by the model
+        # (one step: nothing to pipeline; a 128-slot tile leaves no room for a second)
+        config = dict(BLOCK_H=block_h, BLOCK_N=MLA_BLOCK_N, num_warps=8, num_stages=1)
+    splits = triton.cdiv(W, chunk)
+    config.update(C=C, R=R, SPLITS=splits, CHUNK=chunk)
     out = torch.empty(T, H, C, dtype=BF16, device=q_abs.device)
     step = max(1, MLA_PARTIAL_BYTES // (splits * H * C * 4))  # rows per launch (independent of each other)
-    config = dict(C=C, R=R, SPLITS=splits, CHUNK=MLA_CHUNK, BLOCK_H=block_h, BLOCK_N=MLA_BLOCK_N, num_warps=8)
-    config["num_stages"] = 1  # (one step: nothing to pipeline; a 128-slot tile leaves no room for a second)
     for t0 in range(0, T, step):
         rows = slice(t0, min(T, t0 + step))
         n = rows.stop - rows.start
@@ -324,32 +339,27 @@ def sparse_mla(q_abs, q_pe, cache, selected, meta, scale):
         ml = torch.empty(splits * n * H * 2 if splits > 1 else 0, dtype=torch.float32, device=q_abs.device)
         q, qpe = (x[rows].to(BF16).contiguous() for x in (q_abs, q_pe))
         sel, req, ctx = (x[rows].contiguous() for x in (selected, meta.row_req, meta.ctx_lens))
-        inputs = (q, qpe, cache.kv, cache.kv_scale, cache.pe, sel, meta.table, req, ctx)
-        _sparse_mla_kernel[(n, triton.cdiv(H, block_h), splits)](
-            *inputs,
-            out[rows],
-            part,
-            ml,
-            n,
-            H,
-            W,
-            meta.table.stride(0),
-            scale,
-            cache.latent.stride(0),
-            **config,
-        )
+        inputs = (q, qpe, cache.kv, cache.kv_scale, cache.pe, sel, meta.table, req, ctx, out[rows], part, ml)
+        sizes = (n, H, W, meta.table.stride(0), scale, cache.latent.stride(0))
+        kernel[(n, triton.cdiv(H, block_h), splits)](*inputs, *sizes, **config)
         if splits > 1:
             _mla_combine_kernel[(n, H)](part, ml, out[rows], n, H, SPLITS=splits, C=C, num_warps=4)
     return out
 
 
 def sparse_mla_path(device, H, C, R):
-    """The sparse MLA kernel for H heads over a C + R latent: "trtllm-gen" (_sparse_mla_blackwell) on
-    Blackwell at the shapes flashinfer has it for (DeepSeek's 512 + 64, TRTLLM_HEADS heads: its tests'), else
-    "triton" (the tiny configurations' 4 heads of 256 + 64 may have no trtllm-gen kernel). On Blackwell,
-    GPU_OPS.name says which ran (the engine prints it after its warm-up)."""
-    blackwell = torch.cuda.get_device_capability(device)[0] == 10
-    path = "trtllm-gen" if blackwell and (C, R) == (512, 64) and H in TRTLLM_HEADS else "triton"
+    """The sparse MLA kernel for H heads over a C + R latent: "gluon" (mla_hopper) on Hopper at DeepSeek's
+    512 + 64 with a multiple of 64 heads; "trtllm-gen" (_sparse_mla_blackwell) on Blackwell at the shapes
+    flashinfer has it for (512 + 64, TRTLLM_HEADS heads: its tests'); else "triton" (the tiny configurations'
+    4 heads of 256 + 64 may have no trtllm-gen kernel). GPU_OPS.name says which ran (the engine prints it
+    after its warm-up)."""
+    major = torch.cuda.get_device_capability(device)[0]
+    deepseek = (C, R) == (512, 64)
+    if major == 9 and deepseek and H % 64 == 0 and mla_hopper is not None:
+        GPU_OPS.name = GPU_OPS_NAME.format("Gluon sparse MLA (Hopper)")
+        return "gluon"
+    blackwell = major == 10
+    path = "trtllm-gen" if blackwell and deepseek and H in TRTLLM_HEADS else "triton"
     if blackwell:
         kernel = "flashinfer's trtllm-gen sparse MLA [unverified on hardware]"
         if path == "triton":

@@ -1,0 +1,217 @@
+"""Sparse MLA decode on Hopper (SM90), written in Gluon, Triton's lower-level frontend: the kernel of
+kernels.sparse_mla at DeepSeek's shapes (heads a multiple of 64, a 512 + 64 latent), where Triton's own
+compiler leaves the FP8 cache rows' gathers unpipelined. Same contract and same definition
+(nano_nsa.sparse_mla); kernels.py keeps the Triton kernel for every other shape.
+
+One program: one query row t, 64 of its heads (the MMAs' M), one chunk of MLA_CHUNK of the row's selected
+slots (a fixed split, so a row's arithmetic never depends on its batch), streamed in blocks of 64 slots:
+
+    copy      cp.async gathers block i+1's FP8 latents and bf16 rope keys into a two-deep ring of shared
+              memory while block i is computed; the slots of block i+2 are looked up meanwhile
+    dequant   block i's latents times their per-128 scales -> bf16 in shared memory (exact: a power of two)
+    QK^T      S = Q_nope K^T + Q_pe PE^T, one wgmma each (8 warps: each warpgroup 32 of the 64 slots)
+    softmax   online, in exp2, fp32
+    PV        O += P V, V the same bf16 latents (each warpgroup 256 of the 512 output columns), left
+              running while the next block's copies are issued
+
+The chunks' partial outputs are merged in chunk order by kernels._mla_combine_kernel, as the Triton
+kernel's are."""
+
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.ampere import async_copy
+from triton.experimental.gluon.language.nvidia.hopper import (
+    fence_async_shared,
+    warpgroup_mma,
+    warpgroup_mma_init,
+    warpgroup_mma_wait,
+)
+
+BLOCK_N = 64  # slots a block
+BLOCK_H = 64  # heads a program (wgmma's M)
+NUM_WARPS = gl.constexpr(8)  # two warpgroups
+
+
+@gluon.jit
+def _slots(sel_ptr, table, j0, end, LAYOUT: gl.constexpr):
+    """KV-pool slots of a row's selected positions j0 .. j0 + BLOCK_N (-1: none: past end, or a -1 pad)."""
+    j = j0 + gl.arange(0, 64, layout=LAYOUT)
+    pos = gl.load(sel_ptr + j, mask=j < end, other=-1)
+    slot = gl.load(table + pos, mask=pos >= 0, other=0).to(gl.int32)
+    return gl.where(pos >= 0, slot, -1)
+
+
+@gluon.jit
+def _issue_copies(kv8_ptr, pec_ptr, slot, raw, pe, ROW: gl.constexpr, C: gl.constexpr, R: gl.constexpr):
+    """cp.async of a block's FP8 latents [64, C] into raw and bf16 rope keys [64, R] into pe (invalid
+    slots: zeros)."""
+    raw_layout: gl.constexpr = gl.BlockedLayout([1, 16], [4, 8], [NUM_WARPS, 1], [1, 0])
+    pe_layout: gl.constexpr = gl.BlockedLayout([1, 8], [8, 4], [NUM_WARPS, 1], [1, 0])
+    s = gl.convert_layout(slot, gl.SliceLayout(1, raw_layout))
+    c = gl.arange(0, C, layout=gl.SliceLayout(0, raw_layout))
+    ptr = kv8_ptr + gl.maximum(s, 0).to(gl.int64)[:, None] * ROW + c[None, :]
+    async_copy.async_copy_global_to_shared(raw, ptr, mask=(s >= 0)[:, None])
+    s = gl.convert_layout(slot, gl.SliceLayout(1, pe_layout))
+    r = gl.arange(0, R, layout=gl.SliceLayout(0, pe_layout))
+    ptr = pec_ptr + gl.maximum(s, 0).to(gl.int64)[:, None] * (ROW // 2) + r[None, :]
+    async_copy.async_copy_global_to_shared(pe, ptr, mask=(s >= 0)[:, None])
+    async_copy.commit_group()
+
+
+@gluon.jit
+def _load_scales(kvs_ptr, slot, ROW: gl.constexpr, C: gl.constexpr):
+    """A block's latent scales [64, C // 128] fp32 (a 1x128 group each), in the dequant's row layout."""
+    layout: gl.constexpr = gl.BlockedLayout([1, 1], [32, 1], [NUM_WARPS, 1], [1, 0])
+    s = gl.convert_layout(slot, gl.SliceLayout(1, layout))
+    g = gl.arange(0, C // 128, layout=gl.SliceLayout(0, layout))
+    ptr = kvs_ptr + gl.maximum(s, 0).to(gl.int64)[:, None] * (ROW // 4) + g[None, :]
+    return gl.load(ptr, mask=(s >= 0)[:, None], other=0.0)
+
+
+@gluon.jit
+def _dequant(raw, scales, kv, C: gl.constexpr):
+    """raw FP8 latents [64, C] (shared) times their scales [64, C // 128] -> kv, bf16 (shared, wgmma's)."""
+    layout: gl.constexpr = gl.BlockedLayout([1, 16], [4, 8], [NUM_WARPS, 1], [1, 0])
+    g = gl.arange(0, C // 128, layout=gl.SliceLayout(0, scales.type.layout))
+    for k in gl.static_range(C // 128):
+        x = raw.slice(k * 128, 128, dim=1).load(layout).to(gl.float32)
+        sk = gl.sum(gl.where(g[None, :] == k, scales, 0.0), 1)  # [64]: the scales of group k
+        sk = gl.convert_layout(sk, gl.SliceLayout(1, layout))
+        kv.slice(k * 128, 128, dim=1).store((x * sk[:, None]).to(gl.bfloat16))
+
+
+@gluon.jit
+def sparse_mla_kernel(
+    q_ptr,
+    qpe_ptr,
+    kv8_ptr,
+    kvs_ptr,
+    pec_ptr,
+    sel_ptr,
+    table_ptr,
+    row_req_ptr,
+    ctx_ptr,
+    out_ptr,
+    part_ptr,
+    ml_ptr,
+    T,
+    H,
+    W,
+    table_stride,
+    scale_log2,
+    ROW: gl.constexpr,
+    C: gl.constexpr,
+    R: gl.constexpr,
+    SPLITS: gl.constexpr,
+    CHUNK: gl.constexpr,
+):
+    """One (row t, 64 heads, chunk s): see the module's docstring. scale_log2: the softmax scale times
+    log2(e). Output as kernels._sparse_mla_kernel's (_mla_store's layout: normalized, or the chunk's
+    partial and (max, sum) in natural-log units)."""
+    t, hb, s = gl.program_id(0), gl.program_id(1), gl.program_id(2)
+    o_layout: gl.constexpr = gl.NVMMADistributedLayout([3, 0], [4, 2], [16, 256, 16])
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout([3, 0], [4, 2], [16, 32, 16])
+    p_layout: gl.constexpr = gl.DotOperandLayout(0, o_layout, 2)
+    ld: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [NUM_WARPS, 1], [1, 0])  # q's loads
+    row_layout: gl.constexpr = gl.BlockedLayout([1], [32], [NUM_WARPS], [0])  # a block's slots
+
+    q_smem = gl.allocate_shared_memory(
+        gl.bfloat16, [64, C], gl.NVMMASharedLayout.get_default_for([64, C], gl.bfloat16)
+    )
+    qpe_smem = gl.allocate_shared_memory(
+        gl.bfloat16, [64, R], gl.NVMMASharedLayout.get_default_for([64, R], gl.bfloat16)
+    )
+    kv = gl.allocate_shared_memory(
+        gl.bfloat16, [64, C], gl.NVMMASharedLayout.get_default_for([64, C], gl.bfloat16)
+    )
+    raw = gl.allocate_shared_memory(gl.float8e4nv, [2, 64, C], gl.SwizzledSharedLayout(16, 1, 1, [1, 0]))
+    pe = gl.allocate_shared_memory(
+        gl.bfloat16, [2, 64, R], gl.NVMMASharedLayout.get_default_for([64, R], gl.bfloat16)
+    )
+
+    h = hb * 64 + gl.arange(0, 64, layout=gl.SliceLayout(1, ld))
+    qrow = t.to(gl.int64) * H + h
+    c = gl.arange(0, C, layout=gl.SliceLayout(0, ld))
+    q_smem.store(gl.load(q_ptr + qrow[:, None] * C + c[None, :]))
+    r = gl.arange(0, R, layout=gl.SliceLayout(0, ld))
+    qpe_smem.store(gl.load(qpe_ptr + qrow[:, None] * R + r[None, :]))
+
+    n_valid = gl.minimum(gl.load(ctx_ptr + t).to(gl.int32), W)
+    start = s * CHUNK
+    end = gl.minimum(start + CHUNK, n_valid)
+    blocks = gl.cdiv(end - start, 64)  # (<= 0: a chunk past the row's selection: empty)
+    table = table_ptr + gl.load(row_req_ptr + t).to(gl.int64) * table_stride
+    sel = sel_ptr + t.to(gl.int64) * W
+
+    m = gl.full([64], float("-inf"), gl.float32, gl.SliceLayout(1, s_layout))
+    lsum = gl.zeros([64], gl.float32, gl.SliceLayout(1, s_layout))
+    acc = warpgroup_mma_init(gl.zeros([64, C], gl.float32, o_layout))  # (a running wgmma's, in the loop)
+
+    slot = _slots(sel, table, start, end, row_layout)
+    _issue_copies(kv8_ptr, pec_ptr, slot, raw.index(0), pe.index(0), ROW, C, R)
+    scales = _load_scales(kvs_ptr, slot, ROW, C)
+    slot_next = _slots(sel, table, start + 64, end, row_layout)
+    fence_async_shared()
+    for i in range(0, blocks):
+        b = i % 2
+        gl.thread_barrier()  # every warp is done with ring b ^ 1 (block i - 1)
+        _issue_copies(kv8_ptr, pec_ptr, slot_next, raw.index(1 - b), pe.index(1 - b), ROW, C, R)
+        scales_next = _load_scales(kvs_ptr, slot_next, ROW, C)
+        slot_after = _slots(sel, table, start + (i + 2) * 64, end, row_layout)
+        async_copy.wait_group(1)  # block i's copies (this thread's)
+        acc = warpgroup_mma_wait(0, deps=[acc])  # block i - 1's PV: it read kv
+        gl.thread_barrier()  # (every thread's copies)
+        _dequant(raw.index(b), scales, kv, C)
+        gl.thread_barrier()
+        fence_async_shared()
+        sc = warpgroup_mma(
+            q_smem, kv.permute((1, 0)), gl.zeros([64, 64], gl.float32, s_layout), use_acc=False, is_async=True
+        )
+        sc = warpgroup_mma(qpe_smem, pe.index(b).permute((1, 0)), sc, is_async=True)
+        sc = warpgroup_mma_wait(0, deps=[sc])
+        valid = gl.convert_layout(slot, gl.SliceLayout(0, s_layout)) >= 0
+        sc = gl.where(valid[None, :], sc * scale_log2, float("-inf"))
+        m_new = gl.maximum(m, gl.max(sc, 1))
+        m_ref = gl.where(m_new == float("-inf"), 0.0, m_new)  # no valid slot yet: keep zeros, not NaN
+        alpha = gl.exp2(m - m_ref)
+        p = gl.exp2(sc - m_ref[:, None])
+        lsum = lsum * alpha + gl.sum(p, 1)
+        m = m_new
+        acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
+        acc = warpgroup_mma(gl.convert_layout(p.to(gl.bfloat16), p_layout), kv, acc, is_async=True)
+        slot, slot_next, scales = slot_next, slot_after, scales_next
+    acc = warpgroup_mma_wait(0, deps=[acc])
+    async_copy.wait_group(0)
+    _store(acc, m, lsum, out_ptr, part_ptr, ml_ptr, T * H, t, hb, H, C, SPLITS, o_layout)
+
+
+@gluon.jit
+def _store(
+    acc,
+    m,
+    lsum,
+    out_ptr,
+    part_ptr,
+    ml_ptr,
+    TH,
+    t,
+    hb,
+    H,
+    C: gl.constexpr,
+    SPLITS: gl.constexpr,
+    o_layout: gl.constexpr,
+):
+    """kernels._mla_store's layout: SPLITS == 1, the normalized output; else the partial and (max, sum), the
+    max in natural-log units (the combine kernel's)."""
+    h = hb * 64 + gl.arange(0, 64, layout=gl.SliceLayout(1, o_layout))
+    c = gl.arange(0, C, layout=gl.SliceLayout(0, o_layout))
+    qrow = t.to(gl.int64) * H + h
+    if SPLITS == 1:
+        l_o = gl.convert_layout(lsum, gl.SliceLayout(1, o_layout))
+        gl.store(out_ptr + qrow[:, None] * C + c[None, :], (acc / l_o[:, None]).to(gl.bfloat16))
+    else:
+        part = gl.program_id(2).to(gl.int64) * TH + qrow
+        gl.store(part_ptr + part[:, None] * C + c[None, :], acc)
+        part_s = gl.convert_layout(part, m.type.layout)
+        gl.store(ml_ptr + part_s * 2, m * 0.6931471805599453)
+        gl.store(ml_ptr + part_s * 2 + 1, lsum)
