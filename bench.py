@@ -236,7 +236,7 @@ def mla_kernel(llm, ctx):
 
     cfg, cache, rows = llm.cfg, llm.cache.layer(0), []
     H, C, R, K = cfg.n_heads // m.tp_size(), cfg.kv_lora_rank, cfg.qk_rope_head_dim, min(cfg.index_topk, ctx)
-    for T in (16, 64, 256):
+    for T in (1, 16, 64, 256):
         gen = torch.Generator("cuda").manual_seed(T)
         slots = 1 + torch.randperm(cache.latent.shape[0] - 1, device="cuda", generator=gen)[None, :ctx]
         pos, req = torch.full((T,), ctx - 1, device="cuda"), torch.zeros_like(slots[0, :T])

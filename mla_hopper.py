@@ -30,29 +30,36 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 BLOCK_N = 64  # slots a block
 BLOCK_H = 64  # heads a program (wgmma's M)
 NUM_WARPS = gl.constexpr(8)  # two warpgroups
+# a block's rows as the copies and the dequant hold them: 4 rows a warp, 8 threads a row, 16 bytes a thread
+# (latents, fp8), 8 rope values (bf16) or the row's 4 scales; the same rows in each, so a block's slots
+# ([64], ROWS's slice) serve all three with no exchange between threads
+LATENT_ROWS = gl.constexpr(gl.BlockedLayout([1, 16], [4, 8], [8, 1], [1, 0]))
+PE_ROWS = gl.constexpr(gl.BlockedLayout([1, 8], [4, 8], [8, 1], [1, 0]))
+SCALE_ROWS = gl.constexpr(gl.BlockedLayout([1, 4], [4, 8], [8, 1], [1, 0]))
 
 
 @gluon.jit
-def _slots(sel_ptr, table, j0, end, LAYOUT: gl.constexpr):
-    """KV-pool slots of a row's selected positions j0 .. j0 + BLOCK_N (-1: none: past end, or a -1 pad)."""
+def _positions(sel, j0, end, LAYOUT: gl.constexpr):
+    """A row's selected positions j0 .. j0 + 64 (-1: none: past end, or a -1 pad)."""
     j = j0 + gl.arange(0, 64, layout=LAYOUT)
-    pos = gl.load(sel_ptr + j, mask=j < end, other=-1)
-    slot = gl.load(table + pos, mask=pos >= 0, other=0).to(gl.int32)
-    return gl.where(pos >= 0, slot, -1)
+    return gl.load(sel + j, mask=j < end, other=-1)
+
+
+@gluon.jit
+def _slots(table, pos):
+    """The KV-pool slots of positions pos (-1 where pos is)."""
+    return gl.where(pos >= 0, gl.load(table + pos, mask=pos >= 0, other=0).to(gl.int32), -1)
 
 
 @gluon.jit
 def _issue_copies(kv8_ptr, pec_ptr, slot, raw, pe, ROW: gl.constexpr, C: gl.constexpr, R: gl.constexpr):
     """cp.async of a block's FP8 latents [64, C] into raw and bf16 rope keys [64, R] into pe (invalid
     slots: zeros)."""
-    raw_layout: gl.constexpr = gl.BlockedLayout([1, 16], [4, 8], [NUM_WARPS, 1], [1, 0])
-    pe_layout: gl.constexpr = gl.BlockedLayout([1, 8], [8, 4], [NUM_WARPS, 1], [1, 0])
-    s = gl.convert_layout(slot, gl.SliceLayout(1, raw_layout))
-    c = gl.arange(0, C, layout=gl.SliceLayout(0, raw_layout))
-    ptr = kv8_ptr + gl.maximum(s, 0).to(gl.int64)[:, None] * ROW + c[None, :]
-    async_copy.async_copy_global_to_shared(raw, ptr, mask=(s >= 0)[:, None])
-    s = gl.convert_layout(slot, gl.SliceLayout(1, pe_layout))
-    r = gl.arange(0, R, layout=gl.SliceLayout(0, pe_layout))
+    c = gl.arange(0, C, layout=gl.SliceLayout(0, LATENT_ROWS))
+    ptr = kv8_ptr + gl.maximum(slot, 0).to(gl.int64)[:, None] * ROW + c[None, :]
+    async_copy.async_copy_global_to_shared(raw, ptr, mask=(slot >= 0)[:, None])
+    s = gl.convert_layout(slot, gl.SliceLayout(1, PE_ROWS))  # (the same rows: no exchange)
+    r = gl.arange(0, R, layout=gl.SliceLayout(0, PE_ROWS))
     ptr = pec_ptr + gl.maximum(s, 0).to(gl.int64)[:, None] * (ROW // 2) + r[None, :]
     async_copy.async_copy_global_to_shared(pe, ptr, mask=(s >= 0)[:, None])
     async_copy.commit_group()
@@ -60,24 +67,22 @@ def _issue_copies(kv8_ptr, pec_ptr, slot, raw, pe, ROW: gl.constexpr, C: gl.cons
 
 @gluon.jit
 def _load_scales(kvs_ptr, slot, ROW: gl.constexpr, C: gl.constexpr):
-    """A block's latent scales [64, C // 128] fp32 (a 1x128 group each), in the dequant's row layout."""
-    layout: gl.constexpr = gl.BlockedLayout([1, 1], [32, 1], [NUM_WARPS, 1], [1, 0])
-    s = gl.convert_layout(slot, gl.SliceLayout(1, layout))
-    g = gl.arange(0, C // 128, layout=gl.SliceLayout(0, layout))
+    """A block's latent scales [64, C // 128] fp32 (a 1x128 group each)."""
+    s = gl.convert_layout(slot, gl.SliceLayout(1, SCALE_ROWS))
+    g = gl.arange(0, C // 128, layout=gl.SliceLayout(0, SCALE_ROWS))
     ptr = kvs_ptr + gl.maximum(s, 0).to(gl.int64)[:, None] * (ROW // 4) + g[None, :]
     return gl.load(ptr, mask=(s >= 0)[:, None], other=0.0)
 
 
 @gluon.jit
-def _dequant(raw, scales, kv, C: gl.constexpr):
-    """raw FP8 latents [64, C] (shared) times their scales [64, C // 128] -> kv, bf16 (shared, wgmma's)."""
-    layout: gl.constexpr = gl.BlockedLayout([1, 16], [4, 8], [NUM_WARPS, 1], [1, 0])
-    g = gl.arange(0, C // 128, layout=gl.SliceLayout(0, scales.type.layout))
-    for k in gl.static_range(C // 128):
-        x = raw.slice(k * 128, 128, dim=1).load(layout).to(gl.float32)
-        sk = gl.sum(gl.where(g[None, :] == k, scales, 0.0), 1)  # [64]: the scales of group k
-        sk = gl.convert_layout(sk, gl.SliceLayout(1, layout))
-        kv.slice(k * 128, 128, dim=1).store((x * sk[:, None]).to(gl.bfloat16))
+def _dequant(raw, scales, kv, k: gl.constexpr):
+    """Group k of a block: raw FP8 latents [64, 128] (shared) times their scales (column k of [64, C // 128])
+    -> kv's columns 128 k ..., bf16 (shared, wgmma's)."""
+    g = gl.arange(0, scales.shape[1], layout=gl.SliceLayout(0, SCALE_ROWS))
+    x = raw.slice(k * 128, 128, dim=1).load(LATENT_ROWS).to(gl.float32)
+    sk = gl.sum(gl.where(g[None, :] == k, scales, 0.0), 1)  # [64]: the scales of group k
+    sk = gl.convert_layout(sk, gl.SliceLayout(1, LATENT_ROWS))  # (the same rows: no exchange)
+    kv.slice(k * 128, 128, dim=1).store((x * sk[:, None]).to(gl.bfloat16))
 
 
 @gluon.jit
@@ -113,7 +118,6 @@ def sparse_mla_kernel(
     s_layout: gl.constexpr = gl.NVMMADistributedLayout([3, 0], [4, 2], [16, 32, 16])
     p_layout: gl.constexpr = gl.DotOperandLayout(0, o_layout, 2)
     ld: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [NUM_WARPS, 1], [1, 0])  # q's loads
-    row_layout: gl.constexpr = gl.BlockedLayout([1], [32], [NUM_WARPS], [0])  # a block's slots
 
     q_smem = gl.allocate_shared_memory(
         gl.bfloat16, [64, C], gl.NVMMASharedLayout.get_default_for([64, C], gl.bfloat16)
@@ -147,29 +151,37 @@ def sparse_mla_kernel(
     lsum = gl.zeros([64], gl.float32, gl.SliceLayout(1, s_layout))
     acc = warpgroup_mma_init(gl.zeros([64, C], gl.float32, o_layout))  # (a running wgmma's, in the loop)
 
-    slot = _slots(sel, table, start, end, row_layout)
+    # the prefetch chain, each link a block ahead of the next: positions (i + 2) -> slots (i + 1) -> copies
+    # and scales (i): every load's wait falls an iteration after its issue
+    rows: gl.constexpr = gl.SliceLayout(1, LATENT_ROWS)
+    slot = _slots(table, _positions(sel, start, end, rows))
     _issue_copies(kv8_ptr, pec_ptr, slot, raw.index(0), pe.index(0), ROW, C, R)
     scales = _load_scales(kvs_ptr, slot, ROW, C)
-    slot_next = _slots(sel, table, start + 64, end, row_layout)
-    fence_async_shared()
+    valid = _positions(sel, start, end, gl.SliceLayout(0, s_layout)) >= 0  # (S's columns)
+    slot_next = _slots(table, _positions(sel, start + 64, end, rows))
+    pos_after = _positions(sel, start + 128, end, rows)
     for i in range(0, blocks):
         b = i % 2
         gl.thread_barrier()  # every warp is done with ring b ^ 1 (block i - 1)
         _issue_copies(kv8_ptr, pec_ptr, slot_next, raw.index(1 - b), pe.index(1 - b), ROW, C, R)
         scales_next = _load_scales(kvs_ptr, slot_next, ROW, C)
-        slot_after = _slots(sel, table, start + (i + 2) * 64, end, row_layout)
+        valid_next = _positions(sel, start + (i + 1) * 64, end, gl.SliceLayout(0, s_layout)) >= 0
+        slot_after = _slots(table, pos_after)
+        pos_after = _positions(sel, start + (i + 3) * 64, end, rows)
         async_copy.wait_group(1)  # block i's copies (this thread's)
         acc = warpgroup_mma_wait(0, deps=[acc])  # block i - 1's PV: it read kv
         gl.thread_barrier()  # (every thread's copies)
-        _dequant(raw.index(b), scales, kv, C)
-        gl.thread_barrier()
-        fence_async_shared()
-        sc = warpgroup_mma(
-            q_smem, kv.permute((1, 0)), gl.zeros([64, 64], gl.float32, s_layout), use_acc=False, is_async=True
-        )
+        # S = Q K^T by 128-column groups, each issued as soon as its group is dequantized (the tensor cores
+        # run group k while the threads dequantize group k + 1)
+        sc = gl.zeros([64, 64], gl.float32, s_layout)
+        for k in gl.static_range(C // 128):
+            _dequant(raw.index(b), scales, kv, k)
+            gl.thread_barrier()
+            fence_async_shared()
+            cols = kv.slice(k * 128, 128, dim=1).permute((1, 0))
+            sc = warpgroup_mma(q_smem.slice(k * 128, 128, dim=1), cols, sc, use_acc=k > 0, is_async=True)
         sc = warpgroup_mma(qpe_smem, pe.index(b).permute((1, 0)), sc, is_async=True)
         sc = warpgroup_mma_wait(0, deps=[sc])
-        valid = gl.convert_layout(slot, gl.SliceLayout(0, s_layout)) >= 0
         sc = gl.where(valid[None, :], sc * scale_log2, float("-inf"))
         m_new = gl.maximum(m, gl.max(sc, 1))
         m_ref = gl.where(m_new == float("-inf"), 0.0, m_new)  # no valid slot yet: keep zeros, not NaN
@@ -179,7 +191,7 @@ def sparse_mla_kernel(
         m = m_new
         acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
         acc = warpgroup_mma(gl.convert_layout(p.to(gl.bfloat16), p_layout), kv, acc, is_async=True)
-        slot, slot_next, scales = slot_next, slot_after, scales_next
+        slot_next, scales, valid = slot_after, scales_next, valid_next
     acc = warpgroup_mma_wait(0, deps=[acc])
     async_copy.wait_group(0)
     _store(acc, m, lsum, out_ptr, part_ptr, ml_ptr, T * H, t, hb, H, C, SPLITS, o_layout)
