@@ -230,7 +230,7 @@ def round_profile(llm, ctx, round_ms, verify_replay):
 
 def mla_kernel(llm, ctx):
     """The sparse MLA kernel alone (kernels.sparse_mla over the engine's FP8 cache, every row its own top-k of
-    ctx positions) at 16 to 256 rows, replayed from a CUDA graph: TFLOPS of attention work, 2 T H K (2C + R),
+    ctx positions) at 1 to 256 rows, replayed from a CUDA graph: TFLOPS of attention work, 2 T H K (2C + R),
     and GB/s of the cache rows it gathers, T K x the row's bytes."""
     import kernels
 

@@ -3141,36 +3141,49 @@ def _sparse_case(B, rows, ctx, gen, K=2048, H=128, C=512):
 
 @gpu
 @pytest.mark.parametrize(
-    "B,rows,ctx,tiny",
+    "B,rows,ctx,tiny,heads",
     [
-        (1, 1, 1024, 0),
-        (1, 4, 65536, 0),
-        (16, 2, 4096, 0),
-        (64, 1, 32768, 0),
-        (8, 3, None, 0),
-        (4, 2, 50, 1),
-        (3, 4, 20, 1),
+        (1, 1, 1024, 0, 128),
+        (1, 4, 65536, 0, 128),
+        (16, 2, 4096, 0, 128),
+        (64, 1, 32768, 0, 128),
+        (8, 3, None, 0, 128),
+        (5, 2, 2047, 0, 128),
+        (4, 2, 4096, 0, 64),
+        (2, 3, 100, 0, 64),
+        (3, 1, 1, 0, 64),
+        (4, 2, 50, 1, 4),
+        (3, 4, 20, 1, 4),
     ],
 )
-def test_gpu_sparse_mla_kernel_matches_reference(B, rows, ctx, tiny):
-    """The Triton sparse MLA rows vs the fp32 reference at real shapes (128 heads, 512 + 64, top-k 2048), rows
-    of different lengths in one call (selections split into several chunks and merged), two 'layers' with
+def test_gpu_sparse_mla_kernel_matches_reference(B, rows, ctx, tiny, heads):
+    """The sparse MLA kernel's rows (on Hopper at 64 and 128 heads of 512 + 64: the Gluon kernel; in the tiny
+    configuration: the Triton one) vs the fp32 reference at top-k 2048: rows of different lengths in one call
+    (selections split into several chunks and merged, lengths below top-k, -1 pads), two 'layers' with
     different selections over one Meta. Bound 1e-2 relative (Frobenius): q, p and the output are rounded to
-    bf16 (2^-9 each), softmax and sums stay fp32."""
+    bf16 (2^-9 each), softmax and sums stay fp32. And a row alone gives the bits it gives in the batch."""
     import kernels
 
     gen = torch.Generator("cuda").manual_seed(B * 7 + rows)
     cfg = m.Config.tiny() if tiny else m.Config.full(n_layers=2)
+    path = kernels.sparse_mla_path(torch.device("cuda"), heads, cfg.kv_lora_rank, cfg.qk_rope_head_dim)
+    if torch.cuda.get_device_capability()[0] == 9:  # Hopper
+        assert path == ("triton" if tiny else "gluon")
     meta, cache, q_abs, q_pe, selection = _sparse_case(
-        B, rows, ctx, gen, cfg.index_topk, cfg.n_heads, cfg.kv_lora_rank
+        B, rows, ctx, gen, cfg.index_topk, heads, cfg.kv_lora_rank
     )
     for layer in range(2):
         selected = selection()
-        got = kernels.sparse_mla(q_abs, q_pe, cache, selected, meta, cfg.softmax_scale).float()
+        got = kernels.sparse_mla(q_abs, q_pe, cache, selected, meta, cfg.softmax_scale)
         want = m.sparse_mla(q_abs.to(m.BF16).float(), q_pe, cache, selected, meta, cfg.softmax_scale)
-        err = ((got - want).norm() / want.norm()).item()
-        print(f"B={B} rows={rows} ctx={ctx} layer {layer}: rel err {err:.2e}")
+        err = ((got.float() - want).norm() / want.norm()).item()
+        print(f"B={B} rows={rows} ctx={ctx} heads={heads} ({path}) layer {layer}: rel err {err:.2e}")
         assert err < 1e-2
+        last = meta.cu_seqlens[-1] - 1  # the batch's last row, alone (its own Meta: one row of one request)
+        req = meta.row_req[last : last + 1]
+        alone = m.Meta.rows("decode", meta.positions[last : last + 1], req * 0, meta.table[req], [0, 1])
+        one = kernels.sparse_mla(q_abs[last:][:1], q_pe[last:][:1], cache, selected[last:][:1], alone, 1.0)
+        assert torch.equal(one, kernels.sparse_mla(q_abs, q_pe, cache, selected, meta, 1.0)[last:][:1])
 
 
 @gpu
@@ -4819,17 +4832,21 @@ def test_flashinfer_stand_in_refuses_pages_of_one_slot_and_a_top_k_not_a_multipl
 
 @full  # (flashinfer's first import alone takes 4 s: the quick run leaves the Blackwell contract to CI)
 def test_blackwell_runs_trtllm_gen_where_flashinfer_has_the_kernel(monkeypatch):
-    """kernels.sparse_mla_path: trtllm-gen on Blackwell at DeepSeek's 512 + 64 with 128, 64 or 32 heads (TP
-    1, 2, 4); the Triton kernel on Hopper, at 16 heads (TP 8) and in the tiny configuration (4 heads of 256 +
-    64); on Blackwell GPU_OPS.name, which the engine prints after its warm-up, names the one that ran."""
+    """kernels.sparse_mla_path: the Gluon kernel on Hopper at DeepSeek's 512 + 64 with 128 or 64 heads (TP 1,
+    2); trtllm-gen on Blackwell at 512 + 64 with 128, 64 or 32 heads (TP 1, 2, 4); else the Triton kernel (32
+    heads on Hopper, 16 on Blackwell, the tiny configuration's 4 heads of 256 + 64); GPU_OPS.name, which the
+    engine prints after its warm-up, names the one that ran."""
     import kernels
 
     monkeypatch.setattr(kernels.GPU_OPS, "name", kernels.GPU_OPS.name)  # (restored after the test)
-    cases = [(10, 128, 512, "trtllm-gen"), (10, 64, 512, "trtllm-gen"), (10, 32, 512, "trtllm-gen")]
-    cases += [(10, 16, 512, "triton"), (10, 4, 256, "triton"), (9, 128, 512, "triton")]
+    cases = [(9, 128, 512, "gluon"), (9, 64, 512, "gluon"), (9, 32, 512, "triton"), (9, 4, 256, "triton")]
+    cases += [(10, 128, 512, "trtllm-gen"), (10, 64, 512, "trtllm-gen"), (10, 32, 512, "trtllm-gen")]
+    cases += [(10, 16, 512, "triton"), (10, 4, 256, "triton")]
     for major, H, C, path in cases:
         monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None, cc=(major, 0): cc)
         assert kernels.sparse_mla_path(torch.device("cpu"), H, C, 64) == path
+        if path == "gluon":
+            assert "Gluon sparse MLA" in kernels.GPU_OPS.name, kernels.GPU_OPS.name
         if major == 10:
             named = "trtllm-gen sparse MLA [" if path == "trtllm-gen" else f"none for {H} heads of {C}"
             assert named in kernels.GPU_OPS.name, kernels.GPU_OPS.name
