@@ -3,19 +3,25 @@ kernels.sparse_mla at DeepSeek's shapes (heads a multiple of 64, a 512 + 64 late
 compiler leaves the FP8 cache rows' gathers unpipelined. Same contract and same definition
 (nano_nsa.sparse_mla); kernels.py keeps the Triton kernel for every other shape.
 
-One program: one query row t, 64 of its heads (the MMAs' M), one chunk of MLA_CHUNK of the row's selected
-slots (a fixed split, so a row's arithmetic never depends on its batch), streamed in blocks of 64 slots:
+One program: one query row t, 64 of its heads (the MMAs' M), one chunk of CHUNK entries of the row's
+selection (kernels.MLA_HOPPER_CHUNK, 256: a constant, so a row's split depends on its own selection alone,
+never on its batch), streamed in blocks of 64 entries. Iteration i computes block i and loads ahead:
 
-    copy      cp.async gathers block i+1's FP8 latents and bf16 rope keys into a two-deep ring of shared
-              memory while block i is computed; the slots of block i+2 are looked up meanwhile
+    prefetch  the positions of block i + 3 and the KV-pool slots of block i + 2 (ordinary loads, used an
+              iteration later), block i + 1's scales into registers
+    copy      cp.async gathers block i + 1's FP8 latents and bf16 rope keys into a two-deep ring of shared
+              memory (640 of a cache row's 656 bytes: its 16 bytes of scales go to registers)
     dequant   block i's latents times their per-128 scales -> bf16 in shared memory (exact: a power of two)
-    QK^T      S = Q_nope K^T + Q_pe PE^T, one wgmma each (8 warps: each warpgroup 32 of the 64 slots)
+    QK^T      S = Q_nope K^T in four 128-column wgmmas, each issued as soon as its group is dequantized (the
+              tensor cores run group k while the threads dequantize group k + 1), + Q_pe PE^T in one
+              (8 warps: each warpgroup 32 of the block's 64 columns)
     softmax   online, in exp2, fp32
     PV        O += P V, V the same bf16 latents (each warpgroup 256 of the 512 output columns), left
-              running while the next block's copies are issued
+              running through the next iteration's issue of copies and its wait for them
 
-The chunks' partial outputs are merged in chunk order by kernels._mla_combine_kernel, as the Triton
-kernel's are."""
+Shared memory: Q 64 + 8 KB, the bf16 tile 64 KB, the ring 2 x (32 + 8) KB: 216 KB, one program an SM. The
+chunks' partial outputs are merged in chunk order by kernels._mla_combine_kernel, as the Triton kernel's
+are; a row of one chunk is normalized here."""
 
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
@@ -27,12 +33,10 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 
-BLOCK_N = 64  # slots a block
-BLOCK_H = 64  # heads a program (wgmma's M)
-NUM_WARPS = gl.constexpr(8)  # two warpgroups
-# a block's rows as the copies and the dequant hold them: 4 rows a warp, 8 threads a row, 16 bytes a thread
-# (latents, fp8), 8 rope values (bf16) or the row's 4 scales; the same rows in each, so a block's slots
-# ([64], ROWS's slice) serve all three with no exchange between threads
+NUM_WARPS = gl.constexpr(8)  # two warpgroups (the layouts below assume 8; kernels.sparse_mla launches 8)
+# a block's rows as the copies and the dequant hold them: 4 rows a warp (a thread holds rows r and r + 32),
+# 8 threads a row, 16 bytes a thread (latents, fp8), 8 rope values (bf16) or the row's 4 scales; the same
+# rows in each, so a block's slots ([64], LATENT_ROWS's slice) serve all three with no exchange of threads
 LATENT_ROWS = gl.constexpr(gl.BlockedLayout([1, 16], [4, 8], [8, 1], [1, 0]))
 PE_ROWS = gl.constexpr(gl.BlockedLayout([1, 8], [4, 8], [8, 1], [1, 0]))
 SCALE_ROWS = gl.constexpr(gl.BlockedLayout([1, 4], [4, 8], [8, 1], [1, 0]))
@@ -40,7 +44,7 @@ SCALE_ROWS = gl.constexpr(gl.BlockedLayout([1, 4], [4, 8], [8, 1], [1, 0]))
 
 @gluon.jit
 def _positions(sel, j0, end, LAYOUT: gl.constexpr):
-    """A row's selected positions j0 .. j0 + 64 (-1: none: past end, or a -1 pad)."""
+    """A row's selected positions j0 .. j0 + 63 (-1: none: past end, or a -1 pad)."""
     j = j0 + gl.arange(0, 64, layout=LAYOUT)
     return gl.load(sel + j, mask=j < end, other=-1)
 
@@ -111,9 +115,11 @@ def sparse_mla_kernel(
     CHUNK: gl.constexpr,
 ):
     """One (row t, 64 heads, chunk s): see the module's docstring. scale_log2: the softmax scale times
-    log2(e). Output as kernels._sparse_mla_kernel's (_mla_store's layout: normalized, or the chunk's
-    partial and (max, sum) in natural-log units)."""
+    log2(e). ROW: a cache row's bytes, read through three typed views (kv8 fp8, kvs fp32, pec bf16), whose
+    row strides are ROW, ROW // 4 and ROW // 2 elements. Output as kernels._sparse_mla_kernel's
+    (_mla_store's layout: normalized, or the chunk's partial and (max, sum) in natural-log units)."""
     t, hb, s = gl.program_id(0), gl.program_id(1), gl.program_id(2)
+    # wgmma layouts: each warpgroup's 4 warps stack along the 64 heads, the two warpgroups split N
     o_layout: gl.constexpr = gl.NVMMADistributedLayout([3, 0], [4, 2], [16, 256, 16])
     s_layout: gl.constexpr = gl.NVMMADistributedLayout([3, 0], [4, 2], [16, 32, 16])
     p_layout: gl.constexpr = gl.DotOperandLayout(0, o_layout, 2)
@@ -128,6 +134,7 @@ def sparse_mla_kernel(
     kv = gl.allocate_shared_memory(
         gl.bfloat16, [64, C], gl.NVMMASharedLayout.get_default_for([64, C], gl.bfloat16)
     )
+    # (unswizzled: a warp reads 128 contiguous bytes of 4 rows, which no swizzle would spread further)
     raw = gl.allocate_shared_memory(gl.float8e4nv, [2, 64, C], gl.SwizzledSharedLayout(16, 1, 1, [1, 0]))
     pe = gl.allocate_shared_memory(
         gl.bfloat16, [2, 64, R], gl.NVMMASharedLayout.get_default_for([64, R], gl.bfloat16)
@@ -151,8 +158,9 @@ def sparse_mla_kernel(
     lsum = gl.zeros([64], gl.float32, gl.SliceLayout(1, s_layout))
     acc = warpgroup_mma_init(gl.zeros([64, C], gl.float32, o_layout))  # (a running wgmma's, in the loop)
 
-    # the prefetch chain, each link a block ahead of the next: positions (i + 2) -> slots (i + 1) -> copies
-    # and scales (i): every load's wait falls an iteration after its issue
+    # the prefetch chain (the module's docstring): entering iteration i, slot_next holds block i + 1's slots
+    # and pos_after block i + 2's positions; iteration i loads positions (i + 3) -> slots (i + 2) -> copies
+    # and scales (i + 1), each used an iteration after its issue
     rows: gl.constexpr = gl.SliceLayout(1, LATENT_ROWS)
     slot = _slots(table, _positions(sel, start, end, rows))
     _issue_copies(kv8_ptr, pec_ptr, slot, raw.index(0), pe.index(0), ROW, C, R)
@@ -162,21 +170,21 @@ def sparse_mla_kernel(
     pos_after = _positions(sel, start + 128, end, rows)
     for i in range(0, blocks):
         b = i % 2
-        gl.thread_barrier()  # every warp is done with ring b ^ 1 (block i - 1)
+        gl.thread_barrier()  # every warp is done with ring 1 - b (block i - 1's rope keys: the other QK^T)
         _issue_copies(kv8_ptr, pec_ptr, slot_next, raw.index(1 - b), pe.index(1 - b), ROW, C, R)
         scales_next = _load_scales(kvs_ptr, slot_next, ROW, C)
         valid_next = _positions(sel, start + (i + 1) * 64, end, gl.SliceLayout(0, s_layout)) >= 0
         slot_after = _slots(table, pos_after)
-        pos_after = _positions(sel, start + (i + 3) * 64, end, rows)
+        pos_after = _positions(sel, start + (i + 3) * 64, end, rows)  # (now block i + 3's)
         async_copy.wait_group(1)  # block i's copies (this thread's)
         acc = warpgroup_mma_wait(0, deps=[acc])  # block i - 1's PV: it read kv
-        gl.thread_barrier()  # (every thread's copies)
+        gl.thread_barrier()  # every thread's copies of block i landed; both warpgroups' PV(i - 1) left kv
         # S = Q K^T by 128-column groups, each issued as soon as its group is dequantized (the tensor cores
         # run group k while the threads dequantize group k + 1)
         sc = gl.zeros([64, 64], gl.float32, s_layout)
         for k in gl.static_range(C // 128):
             _dequant(raw.index(b), scales, kv, k)
-            gl.thread_barrier()
+            gl.thread_barrier()  # (then the fence: the threads' writes visible to wgmma's async proxy)
             fence_async_shared()
             cols = kv.slice(k * 128, 128, dim=1).permute((1, 0))
             sc = warpgroup_mma(q_smem.slice(k * 128, 128, dim=1), cols, sc, use_acc=k > 0, is_async=True)
@@ -225,5 +233,5 @@ def _store(
         part = gl.program_id(2).to(gl.int64) * TH + qrow
         gl.store(part_ptr + part[:, None] * C + c[None, :], acc)
         part_s = gl.convert_layout(part, m.type.layout)
-        gl.store(ml_ptr + part_s * 2, m * 0.6931471805599453)
+        gl.store(ml_ptr + part_s * 2, m * 0.6931471805599453)  # (ln 2: from log2 units to natural)
         gl.store(ml_ptr + part_s * 2 + 1, lsum)
