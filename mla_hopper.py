@@ -40,6 +40,11 @@ NUM_WARPS = gl.constexpr(8)  # two warpgroups (the layouts below assume 8; kerne
 LATENT_ROWS = gl.constexpr(gl.BlockedLayout([1, 16], [4, 8], [8, 1], [1, 0]))
 PE_ROWS = gl.constexpr(gl.BlockedLayout([1, 8], [4, 8], [8, 1], [1, 0]))
 SCALE_ROWS = gl.constexpr(gl.BlockedLayout([1, 4], [4, 8], [8, 1], [1, 0]))
+# wgmma layouts: each warpgroup's 4 warps stack along the 64 heads, the two warpgroups split N: O [64, C]
+# (each 256 of its columns), S [64, 64] (each 32), and P as PV's A operand (each warpgroup all of it)
+O_LAYOUT = gl.constexpr(gl.NVMMADistributedLayout([3, 0], [4, 2], [16, 256, 16]))
+S_LAYOUT = gl.constexpr(gl.NVMMADistributedLayout([3, 0], [4, 2], [16, 32, 16]))
+P_LAYOUT = gl.constexpr(gl.DotOperandLayout(0, O_LAYOUT, 2))
 
 
 @gluon.jit
@@ -119,12 +124,25 @@ def sparse_mla_kernel(
     row strides are ROW, ROW // 4 and ROW // 2 elements. Output as kernels._sparse_mla_kernel's
     (_mla_store's layout: normalized, or the chunk's partial and (max, sum) in natural-log units)."""
     t, hb, s = gl.program_id(0), gl.program_id(1), gl.program_id(2)
-    # wgmma layouts: each warpgroup's 4 warps stack along the 64 heads, the two warpgroups split N
-    o_layout: gl.constexpr = gl.NVMMADistributedLayout([3, 0], [4, 2], [16, 256, 16])
-    s_layout: gl.constexpr = gl.NVMMADistributedLayout([3, 0], [4, 2], [16, 32, 16])
-    p_layout: gl.constexpr = gl.DotOperandLayout(0, o_layout, 2)
-    ld: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [NUM_WARPS, 1], [1, 0])  # q's loads
+    q_smem, qpe_smem, kv, raw, pe = _shared_memory(C, R)
+    _load_queries(q_ptr, qpe_ptr, q_smem, qpe_smem, t, hb, H, C, R)
+    n_valid = gl.minimum(gl.load(ctx_ptr + t).to(gl.int32), W)
+    start = s * CHUNK
+    end = gl.minimum(start + CHUNK, n_valid)
+    blocks = gl.cdiv(end - start, 64)  # (<= 0: a chunk past the row's selection: empty)
+    table = table_ptr + gl.load(row_req_ptr + t).to(gl.int64) * table_stride
+    sel = sel_ptr + t.to(gl.int64) * W
+    chunk = (sel, table, start, end, blocks)
+    acc, m, lsum = _attend(
+        q_smem, qpe_smem, kv, raw, pe, kv8_ptr, kvs_ptr, pec_ptr, chunk, scale_log2, ROW, C, R
+    )
+    _store(acc, m, lsum, out_ptr, part_ptr, ml_ptr, T * H, t, hb, H, C, SPLITS, O_LAYOUT)
 
+
+@gluon.jit
+def _shared_memory(C: gl.constexpr, R: gl.constexpr):
+    """The program's buffers: the queries [64, C] and [64, R], the bf16 tile [64, C], and the two-deep ring
+    of raw FP8 latents [2, 64, C] and rope keys [2, 64, R]."""
     q_smem = gl.allocate_shared_memory(
         gl.bfloat16, [64, C], gl.NVMMASharedLayout.get_default_for([64, C], gl.bfloat16)
     )
@@ -139,7 +157,13 @@ def sparse_mla_kernel(
     pe = gl.allocate_shared_memory(
         gl.bfloat16, [2, 64, R], gl.NVMMASharedLayout.get_default_for([64, R], gl.bfloat16)
     )
+    return q_smem, qpe_smem, kv, raw, pe
 
+
+@gluon.jit
+def _load_queries(q_ptr, qpe_ptr, q_smem, qpe_smem, t, hb, H, C: gl.constexpr, R: gl.constexpr):
+    """Row t's 64 heads from hb * 64 on: q [64, C] and q_pe [64, R] into shared memory (wgmma's A)."""
+    ld: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [NUM_WARPS, 1], [1, 0])
     h = hb * 64 + gl.arange(0, 64, layout=gl.SliceLayout(1, ld))
     qrow = t.to(gl.int64) * H + h
     c = gl.arange(0, C, layout=gl.SliceLayout(0, ld))
@@ -147,17 +171,29 @@ def sparse_mla_kernel(
     r = gl.arange(0, R, layout=gl.SliceLayout(0, ld))
     qpe_smem.store(gl.load(qpe_ptr + qrow[:, None] * R + r[None, :]))
 
-    n_valid = gl.minimum(gl.load(ctx_ptr + t).to(gl.int32), W)
-    start = s * CHUNK
-    end = gl.minimum(start + CHUNK, n_valid)
-    blocks = gl.cdiv(end - start, 64)  # (<= 0: a chunk past the row's selection: empty)
-    table = table_ptr + gl.load(row_req_ptr + t).to(gl.int64) * table_stride
-    sel = sel_ptr + t.to(gl.int64) * W
 
-    m = gl.full([64], float("-inf"), gl.float32, gl.SliceLayout(1, s_layout))
-    lsum = gl.zeros([64], gl.float32, gl.SliceLayout(1, s_layout))
-    acc = warpgroup_mma_init(gl.zeros([64, C], gl.float32, o_layout))  # (a running wgmma's, in the loop)
-
+@gluon.jit
+def _attend(
+    q_smem,
+    qpe_smem,
+    kv,
+    raw,
+    pe,
+    kv8_ptr,
+    kvs_ptr,
+    pec_ptr,
+    chunk,
+    scale_log2,
+    ROW: gl.constexpr,
+    C: gl.constexpr,
+    R: gl.constexpr,
+):
+    """The chunk's blocks (chunk: the row's selection and page-table row, the chunk's first entry, its end,
+    its blocks) -> (O unnormalized [64, C], the running max in log2 units, the sum), the module's loop."""
+    sel, table, start, end, blocks = chunk
+    m = gl.full([64], float("-inf"), gl.float32, gl.SliceLayout(1, S_LAYOUT))
+    lsum = gl.zeros([64], gl.float32, gl.SliceLayout(1, S_LAYOUT))
+    acc = warpgroup_mma_init(gl.zeros([64, C], gl.float32, O_LAYOUT))  # (a running wgmma's, in the loop)
     # the prefetch chain (the module's docstring): entering iteration i, slot_next holds block i + 1's slots
     # and pos_after block i + 2's positions; iteration i loads positions (i + 3) -> slots (i + 2) -> copies
     # and scales (i + 1), each used an iteration after its issue
@@ -165,7 +201,7 @@ def sparse_mla_kernel(
     slot = _slots(table, _positions(sel, start, end, rows))
     _issue_copies(kv8_ptr, pec_ptr, slot, raw.index(0), pe.index(0), ROW, C, R)
     scales = _load_scales(kvs_ptr, slot, ROW, C)
-    valid = _positions(sel, start, end, gl.SliceLayout(0, s_layout)) >= 0  # (S's columns)
+    valid = _positions(sel, start, end, gl.SliceLayout(0, S_LAYOUT)) >= 0  # (S's columns)
     slot_next = _slots(table, _positions(sel, start + 64, end, rows))
     pos_after = _positions(sel, start + 128, end, rows)
     for i in range(0, blocks):
@@ -173,36 +209,47 @@ def sparse_mla_kernel(
         gl.thread_barrier()  # every warp is done with ring 1 - b (block i - 1's rope keys: the other QK^T)
         _issue_copies(kv8_ptr, pec_ptr, slot_next, raw.index(1 - b), pe.index(1 - b), ROW, C, R)
         scales_next = _load_scales(kvs_ptr, slot_next, ROW, C)
-        valid_next = _positions(sel, start + (i + 1) * 64, end, gl.SliceLayout(0, s_layout)) >= 0
+        valid_next = _positions(sel, start + (i + 1) * 64, end, gl.SliceLayout(0, S_LAYOUT)) >= 0
         slot_after = _slots(table, pos_after)
         pos_after = _positions(sel, start + (i + 3) * 64, end, rows)  # (now block i + 3's)
         async_copy.wait_group(1)  # block i's copies (this thread's)
         acc = warpgroup_mma_wait(0, deps=[acc])  # block i - 1's PV: it read kv
         gl.thread_barrier()  # every thread's copies of block i landed; both warpgroups' PV(i - 1) left kv
-        # S = Q K^T by 128-column groups, each issued as soon as its group is dequantized (the tensor cores
-        # run group k while the threads dequantize group k + 1)
-        sc = gl.zeros([64, 64], gl.float32, s_layout)
-        for k in gl.static_range(C // 128):
-            _dequant(raw.index(b), scales, kv, k)
-            gl.thread_barrier()  # (then the fence: the threads' writes visible to wgmma's async proxy)
-            fence_async_shared()
-            cols = kv.slice(k * 128, 128, dim=1).permute((1, 0))
-            sc = warpgroup_mma(q_smem.slice(k * 128, 128, dim=1), cols, sc, use_acc=k > 0, is_async=True)
-        sc = warpgroup_mma(qpe_smem, pe.index(b).permute((1, 0)), sc, is_async=True)
-        sc = warpgroup_mma_wait(0, deps=[sc])
-        sc = gl.where(valid[None, :], sc * scale_log2, float("-inf"))
-        m_new = gl.maximum(m, gl.max(sc, 1))
-        m_ref = gl.where(m_new == float("-inf"), 0.0, m_new)  # no valid slot yet: keep zeros, not NaN
-        alpha = gl.exp2(m - m_ref)
-        p = gl.exp2(sc - m_ref[:, None])
-        lsum = lsum * alpha + gl.sum(p, 1)
-        m = m_new
-        acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
-        acc = warpgroup_mma(gl.convert_layout(p.to(gl.bfloat16), p_layout), kv, acc, is_async=True)
+        sc = _scores(q_smem, qpe_smem, raw, pe, b, scales, kv, C)
+        p, alpha, m, lsum = _online_softmax(sc, valid, m, lsum, scale_log2)
+        acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, O_LAYOUT))[:, None]
+        acc = warpgroup_mma(gl.convert_layout(p.to(gl.bfloat16), P_LAYOUT), kv, acc, is_async=True)
         slot_next, scales, valid = slot_after, scales_next, valid_next
     acc = warpgroup_mma_wait(0, deps=[acc])
     async_copy.wait_group(0)
-    _store(acc, m, lsum, out_ptr, part_ptr, ml_ptr, T * H, t, hb, H, C, SPLITS, o_layout)
+    return acc, m, lsum
+
+
+@gluon.jit
+def _scores(q_smem, qpe_smem, raw, pe, b, scales, kv, C: gl.constexpr):
+    """A block's S = Q K^T [64, 64] fp32 from ring b, by 128-column groups, each issued as soon as its group
+    is dequantized into kv (the tensor cores run group k while the threads dequantize group k + 1)."""
+    sc = gl.zeros([64, 64], gl.float32, S_LAYOUT)
+    for k in gl.static_range(C // 128):
+        _dequant(raw.index(b), scales, kv, k)
+        gl.thread_barrier()  # (then the fence: the threads' writes visible to wgmma's async proxy)
+        fence_async_shared()
+        cols = kv.slice(k * 128, 128, dim=1).permute((1, 0))
+        sc = warpgroup_mma(q_smem.slice(k * 128, 128, dim=1), cols, sc, use_acc=k > 0, is_async=True)
+    sc = warpgroup_mma(qpe_smem, pe.index(b).permute((1, 0)), sc, is_async=True)
+    return warpgroup_mma_wait(0, deps=[sc])
+
+
+@gluon.jit
+def _online_softmax(sc, valid, m, lsum, scale_log2):
+    """One block's step of the online softmax, in exp2 (valid: S's real columns) -> (P, the factor alpha
+    that rescales what came before, the new max, the new sum)."""
+    sc = gl.where(valid[None, :], sc * scale_log2, float("-inf"))
+    m_new = gl.maximum(m, gl.max(sc, 1))
+    m_ref = gl.where(m_new == float("-inf"), 0.0, m_new)  # no valid slot yet: keep zeros, not NaN
+    alpha = gl.exp2(m - m_ref)
+    p = gl.exp2(sc - m_ref[:, None])
+    return p, alpha, m_new, lsum * alpha + gl.sum(p, 1)
 
 
 @gluon.jit
