@@ -42,16 +42,7 @@ def demo(args, out):
         llm_s[k] = time.perf_counter() - t0  # (the process's first also loads the kernels: Triton's cache)
     settings = [("greedy", 1, 1)]  # and greedy, sampled and first tokens at bs=1 and bs=n with --mtp 0, 3
     settings += [(kind, k, bs) for kind in ("greedy", "sampled", "first") for k in (0, 3) for bs in (1, n)]
-    speeds = {s: [] for s in settings}
-    got = {}  # each setting's results (the same in every pass: greedy, or sampled with fixed seeds)
-    for i in range(6):  # pass 0 not timed: JIT builds, the round graphs
-        for kind, k, bs in settings:
-            tok_s, got[kind, k, bs] = demo_pass(llms[k], prompts, kind, bs)
-            if i:
-                speeds[kind, k, bs].append(tok_s)
-    for s in settings:
-        print(f"{s}: tokens/s of the passes {[round(x) for x in speeds[s]]}", flush=True)
-    tok_s = {s: statistics.median(v) for s, v in speeds.items()}
+    tok_s, got = timed_passes(llms, prompts, settings)
     accept = {
         s: statistics.mean(a for r in v for a in r.accept_lengths) if s[1] else 1 for s, v in got.items()
     }
@@ -88,6 +79,28 @@ def demo(args, out):
         "mean accepted length (sampled) | prefill share (sampled) | prefill share (greedy)",
         [tuple(r.values()) for r in sampled],
     )
+    first = first_token_table(first_ms, llm_s, n)
+    out.update(demo=greedy, demo_sampling=sampled, demo_first_token=first)
+
+
+def timed_passes(llms, prompts, settings):
+    """Six passes of every setting (kind, --mtp, bs), interleaved; the first not timed (JIT builds, the
+    graphs) -> (each setting's median tokens/s of the other five, its results: the same in every pass)."""
+    speeds = {s: [] for s in settings}
+    got = {}
+    for i in range(6):
+        for kind, k, bs in settings:
+            tok_s, got[kind, k, bs] = demo_pass(llms[k], prompts, kind, bs)
+            if i:
+                speeds[kind, k, bs].append(tok_s)
+    for s in settings:
+        print(f"{s}: tokens/s of the passes {[round(x) for x in speeds[s]]}", flush=True)
+    return {s: statistics.median(v) for s, v in speeds.items()}, got
+
+
+def first_token_table(first_ms, llm_s, n):
+    """The time to first token at --mtp 0 and 3, alone and all n in one call, beside LLM()'s time: printed,
+    and returned as rows."""
     first = [
         dict(mtp=k, bs=bs, first_token_ms=first_ms[k, bs], llm_s=llm_s[k]) for k in (0, 3) for bs in (1, n)
     ]
@@ -97,4 +110,4 @@ def demo(args, out):
         "--mtp | bs | first token ms | LLM() s",
         [tuple(r.values()) for r in first],
     )
-    out.update(demo=greedy, demo_sampling=sampled, demo_first_token=first)
+    return first
