@@ -186,7 +186,8 @@ MLA_CHUNK = 128  # selected slots per program: a row's split follows its own sel
 MLA_BLOCK_N = 128  # slots per inner step: a chunk is one step (64-slot steps: 10-40% slower at every size)
 MLA_BLOCK_H = 64  # heads per program (fewer for a model with fewer heads), whatever the number of rows
 LOG2E = 1.4426950408889634  # log2(e)
-MLA_HOPPER_CHUNK = 256  # selected slots per program of the Gluon kernel (mla_hopper), a fixed split too
+MLA_HOPPER_CHUNK = 256  # selected slots per chunk of the Gluon kernel (mla_hopper), a fixed split too
+MLA_HOPPER_FILL = 0.9  # a launch of the Gluon kernel keeps at least this many programs an SM
 MLA_PARTIAL_BYTES = 256 << 20  # bound on the fp32 partial outputs of one launch (long prefills run in parts)
 WORKSPACE_BYTES = 256 << 20  # trtllm-gen's workspace (Blackwell)
 _BLACKWELL = {}  # that workspace, made at the first call (zeroed, as trtllm-gen requires)
@@ -341,10 +342,25 @@ def sparse_mla(q_abs, q_pe, cache, selected, meta, scale):
         sel, req, ctx = (x[rows].contiguous() for x in (selected, meta.row_req, meta.ctx_lens))
         inputs = (q, qpe, cache.kv, cache.kv_scale, cache.pe, sel, meta.table, req, ctx, out[rows], part, ml)
         sizes = (n, H, W, meta.table.stride(0), scale, cache.latent.stride(0))
-        kernel[(n, triton.cdiv(H, block_h), splits)](*inputs, *sizes, **config)
+        grid = (n, triton.cdiv(H, block_h), splits)
+        if path == "gluon":  # (a program runs several of a row's chunks, each still its own split)
+            chunks = mla_hopper_chunks(n * grid[1], splits, q_abs.device)
+            grid, sizes = (n, grid[1], triton.cdiv(splits, chunks)), sizes[:5] + (chunks,) + sizes[5:]
+        kernel[grid](*inputs, *sizes, **config)
         if splits > 1:
             _mla_combine_kernel[(n, H)](part, ml, out[rows], n, H, SPLITS=splits, C=C, num_warps=4)
     return out
+
+
+def mla_hopper_chunks(programs, splits, device):
+    """Chunks a program of the Gluon kernel runs one after another, for `programs` (row, 64 heads) pairs of
+    `splits` chunks each: the most (a power of two) that still leave every SM a program. Each chunk keeps its
+    own softmax and partial, merged as before, so the bits do not depend on it; only the launch does."""
+    sms = torch.cuda.get_device_properties(device).multi_processor_count
+    chunks = 1
+    while chunks < splits and programs * triton.cdiv(splits, 2 * chunks) >= sms * MLA_HOPPER_FILL:
+        chunks *= 2
+    return chunks
 
 
 def sparse_mla_path(device, H, C, R):

@@ -3,12 +3,18 @@ kernels.sparse_mla at DeepSeek's shapes (heads a multiple of 64, a 512 + 64 late
 compiler leaves the FP8 cache rows' gathers unpipelined. Same contract and same definition
 (nano_nsa.sparse_mla); kernels.py keeps the Triton kernel for every other shape.
 
-One program: one query row t, 64 of its heads (the MMAs' M), one chunk of CHUNK entries of the row's
-selection (kernels.MLA_HOPPER_CHUNK, 256: a constant, so a row's split depends on its own selection alone,
-never on its batch), streamed in blocks of 64 entries. Iteration i computes block i and loads ahead:
+The arithmetic: a row's selection is cut into chunks of CHUNK entries (kernels.MLA_HOPPER_CHUNK, 256: a
+constant, so a row's split depends on its own selection alone, never on its batch), each chunk's softmax
+is its own (a fresh max and sum, its own partial output), and kernels._mla_combine_kernel merges the
+partials in chunk order. The schedule: one program is one query row t, 64 of its heads (the MMAs' M) and
+CHUNKS consecutive chunks of it (kernels.mla_hopper_chunks: 1 for a few rows, up to all of a row's chunks
+for many), which changes no bit: a program loads the row's queries once and runs its chunks as one stream
+of 64-entry blocks, storing a chunk's partial at the chunk's last block while the next chunk's copies are
+already in flight. Block i is computed while the blocks after it load:
 
-    prefetch  the positions of block i + 3 and the KV-pool slots of block i + 2 (ordinary loads, used an
-              iteration later), block i + 1's scales into registers
+    prefetch  the positions of block i + 3 and the KV-pool slots of block i + 2 (ordinary loads, first
+              used a block later: a use stalls the thread until its load returns), block i + 1's scales
+              into registers
     copy      cp.async gathers block i + 1's FP8 latents and bf16 rope keys into a two-deep ring of shared
               memory (640 of a cache row's 656 bytes: its 16 bytes of scales go to registers)
     dequant   block i's latents times their per-128 scales -> bf16 in shared memory (exact: a power of two)
@@ -17,11 +23,10 @@ never on its batch), streamed in blocks of 64 entries. Iteration i computes bloc
               (8 warps: each warpgroup 32 of the block's 64 columns)
     softmax   online, in exp2, fp32
     PV        O += P V, V the same bf16 latents (each warpgroup 256 of the 512 output columns), left
-              running through the next iteration's issue of copies and its wait for them
+              running through block i + 1's issue of copies and its wait for them
 
-Shared memory: Q 64 + 8 KB, the bf16 tile 64 KB, the ring 2 x (32 + 8) KB: 216 KB, one program an SM. The
-chunks' partial outputs are merged in chunk order by kernels._mla_combine_kernel, as the Triton kernel's
-are; a row of one chunk is normalized here."""
+Shared memory: Q 64 + 8 KB, the bf16 tile 64 KB, the ring 2 x (32 + 8) KB: 216 KB, one program an SM. A
+row of one chunk (a selection of at most CHUNK) is normalized here, with no merge."""
 
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
@@ -49,15 +54,17 @@ P_LAYOUT = gl.constexpr(gl.DotOperandLayout(0, O_LAYOUT, 2))
 
 @gluon.jit
 def _positions(sel, j0, end, LAYOUT: gl.constexpr):
-    """A row's selected positions j0 .. j0 + 63 (-1: none: past end, or a -1 pad)."""
+    """A row's selected positions j0 .. j0 + 63 (-1: none: past end, or a -1 pad). sel: the selection's
+    int64 words read as int32 pairs, low word first (positions are below 2^31): an int32 load needs no
+    conversion, and a conversion, like any use, would stall the thread until the load returns."""
     j = j0 + gl.arange(0, 64, layout=LAYOUT)
-    return gl.load(sel + j, mask=j < end, other=-1)
+    return gl.load(sel + 2 * j, mask=j < end, other=-1)
 
 
 @gluon.jit
 def _slots(table, pos):
-    """The KV-pool slots of positions pos (-1 where pos is)."""
-    return gl.where(pos >= 0, gl.load(table + pos, mask=pos >= 0, other=0).to(gl.int32), -1)
+    """The KV-pool slots of positions pos (-1 where pos is; table read as int32 pairs, as _positions)."""
+    return gl.load(table + 2 * pos, mask=pos >= 0, other=-1)
 
 
 @gluon.jit
@@ -113,30 +120,47 @@ def sparse_mla_kernel(
     W,
     table_stride,
     scale_log2,
+    CHUNKS,
     ROW: gl.constexpr,
     C: gl.constexpr,
     R: gl.constexpr,
     SPLITS: gl.constexpr,
     CHUNK: gl.constexpr,
 ):
-    """One (row t, 64 heads, chunk s): see the module's docstring. scale_log2: the softmax scale times
-    log2(e). ROW: a cache row's bytes, read through three typed views (kv8 fp8, kvs fp32, pec bf16), whose
-    row strides are ROW, ROW // 4 and ROW // 2 elements. Output as kernels._sparse_mla_kernel's
-    (_mla_store's layout: normalized, or the chunk's partial and (max, sum) in natural-log units)."""
-    t, hb, s = gl.program_id(0), gl.program_id(1), gl.program_id(2)
+    """One (row t, 64 heads, CHUNKS consecutive chunks from chunk p * CHUNKS): see the module's docstring.
+    scale_log2: the softmax scale times log2(e). ROW: a cache row's bytes, read through three typed views
+    (kv8 fp8, kvs fp32, pec bf16), whose row strides are ROW, ROW // 4 and ROW // 2 elements. Output as
+    kernels._sparse_mla_kernel's (_mla_store's layout: normalized, or each chunk's partial and (max, sum) in
+    natural-log units)."""
+    t, hb, p = gl.program_id(0), gl.program_id(1), gl.program_id(2)
     q_smem, qpe_smem, kv, raw, pe = _shared_memory(C, R)
     _load_queries(q_ptr, qpe_ptr, q_smem, qpe_smem, t, hb, H, C, R)
     n_valid = gl.minimum(gl.load(ctx_ptr + t).to(gl.int32), W)
-    start = s * CHUNK
-    end = gl.minimum(start + CHUNK, n_valid)
-    blocks = gl.cdiv(end - start, 64)  # (<= 0: a chunk past the row's selection: empty)
+    first = p * CHUNKS
+    chunks = gl.minimum(CHUNKS, SPLITS - first)
     table = table_ptr + gl.load(row_req_ptr + t).to(gl.int64) * table_stride
-    sel = sel_ptr + t.to(gl.int64) * W
-    chunk = (sel, table, start, end, blocks)
-    acc, m, lsum = _attend(
-        q_smem, qpe_smem, kv, raw, pe, kv8_ptr, kvs_ptr, pec_ptr, chunk, scale_log2, ROW, C, R
+    table = table.to(gl.pointer_type(gl.int32), bitcast=True)
+    sel = (sel_ptr + t.to(gl.int64) * W).to(gl.pointer_type(gl.int32), bitcast=True)
+    row = (sel, table, first * CHUNK, gl.minimum((first + chunks) * CHUNK, n_valid))
+    out = (out_ptr, part_ptr, ml_ptr, T * H, t, hb, H, first, chunks)
+    _attend(
+        q_smem,
+        qpe_smem,
+        kv,
+        raw,
+        pe,
+        kv8_ptr,
+        kvs_ptr,
+        pec_ptr,
+        row,
+        out,
+        scale_log2,
+        ROW,
+        C,
+        R,
+        SPLITS,
+        CHUNK,
     )
-    _store(acc, m, lsum, out_ptr, part_ptr, ml_ptr, T * H, t, hb, H, C, SPLITS, O_LAYOUT)
 
 
 @gluon.jit
@@ -182,47 +206,73 @@ def _attend(
     kv8_ptr,
     kvs_ptr,
     pec_ptr,
-    chunk,
+    row,
+    out,
     scale_log2,
     ROW: gl.constexpr,
     C: gl.constexpr,
     R: gl.constexpr,
+    SPLITS: gl.constexpr,
+    CHUNK: gl.constexpr,
 ):
-    """The chunk's blocks (chunk: the row's selection and page-table row, the chunk's first entry, its end,
-    its blocks) -> (O unnormalized [64, C], the running max in log2 units, the sum), the module's loop."""
-    sel, table, start, end, blocks = chunk
-    m = gl.full([64], float("-inf"), gl.float32, gl.SliceLayout(1, S_LAYOUT))
-    lsum = gl.zeros([64], gl.float32, gl.SliceLayout(1, S_LAYOUT))
-    acc = warpgroup_mma_init(gl.zeros([64, C], gl.float32, O_LAYOUT))  # (a running wgmma's, in the loop)
-    # the prefetch chain (the module's docstring): entering iteration i, slot_next holds block i + 1's slots
-    # and pos_after block i + 2's positions; iteration i loads positions (i + 3) -> slots (i + 2) -> copies
-    # and scales (i + 1), each used an iteration after its issue
+    """The program's chunks (row: the row's selection and page-table row, the first chunk's first entry, the
+    last chunk's end; out: where and which chunks to store), each from a fresh softmax state and stored at
+    its end, the copies running ahead across the chunks' boundaries (the module's loop)."""
+    sel, table, start, end = row
+    out_ptr, part_ptr, ml_ptr, TH, t, hb, H, first, chunks = out
+    # the prefetch chain (the module's docstring): entering block i, slot_next holds block i + 1's slots and
+    # pos_after block i + 2's positions; block i loads positions (i + 3) -> slots (i + 2) -> copies and
+    # scales (i + 1), each used a block after its issue
     rows: gl.constexpr = gl.SliceLayout(1, LATENT_ROWS)
     slot = _slots(table, _positions(sel, start, end, rows))
     _issue_copies(kv8_ptr, pec_ptr, slot, raw.index(0), pe.index(0), ROW, C, R)
     scales = _load_scales(kvs_ptr, slot, ROW, C)
-    valid = _positions(sel, start, end, gl.SliceLayout(0, S_LAYOUT)) >= 0  # (S's columns)
-    slot_next = _slots(table, _positions(sel, start + 64, end, rows))
-    pos_after = _positions(sel, start + 128, end, rows)
-    for i in range(0, blocks):
-        b = i % 2
-        gl.thread_barrier()  # every warp is done with ring 1 - b (block i - 1's rope keys: the other QK^T)
-        _issue_copies(kv8_ptr, pec_ptr, slot_next, raw.index(1 - b), pe.index(1 - b), ROW, C, R)
-        scales_next = _load_scales(kvs_ptr, slot_next, ROW, C)
-        valid_next = _positions(sel, start + (i + 1) * 64, end, gl.SliceLayout(0, S_LAYOUT)) >= 0
-        slot_after = _slots(table, pos_after)
-        pos_after = _positions(sel, start + (i + 3) * 64, end, rows)  # (now block i + 3's)
-        async_copy.wait_group(1)  # block i's copies (this thread's)
-        acc = warpgroup_mma_wait(0, deps=[acc])  # block i - 1's PV: it read kv
-        gl.thread_barrier()  # every thread's copies of block i landed; both warpgroups' PV(i - 1) left kv
-        sc = _scores(q_smem, qpe_smem, raw, pe, b, scales, kv, C)
-        p, alpha, m, lsum = _online_softmax(sc, valid, m, lsum, scale_log2)
-        acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, O_LAYOUT))[:, None]
-        acc = warpgroup_mma(gl.convert_layout(p.to(gl.bfloat16), P_LAYOUT), kv, acc, is_async=True)
-        slot_next, scales, valid = slot_after, scales_next, valid_next
-    acc = warpgroup_mma_wait(0, deps=[acc])
+    cols = _positions(sel, start, end, gl.SliceLayout(0, S_LAYOUT))  # (S's columns: -1 masks one)
+    chain = (_slots(table, _positions(sel, start + 64, end, rows)), _positions(sel, start + 128, end, rows))
+    per_chunk: gl.constexpr = CHUNK // 64
+    buffers, cache = (q_smem, qpe_smem, kv, raw, pe), (kv8_ptr, kvs_ptr, pec_ptr)
+    for k in range(0, chunks):
+        m = gl.full([64], float("-inf"), gl.float32, gl.SliceLayout(1, S_LAYOUT))
+        lsum = gl.zeros([64], gl.float32, gl.SliceLayout(1, S_LAYOUT))
+        acc = warpgroup_mma_init(gl.zeros([64, C], gl.float32, O_LAYOUT))  # (a running wgmma's, in the loop)
+        blocks = gl.minimum(gl.maximum(gl.cdiv(end - start - k * CHUNK, 64), 0), per_chunk)
+        for j in range(0, blocks):
+            i = k * per_chunk + j
+            sc, acc, scales, cols_next, chain = _next_scores(
+                buffers, cache, row, i, scales, chain, acc, ROW, C, R
+            )
+            p, alpha, m, lsum = _online_softmax(sc, cols >= 0, m, lsum, scale_log2)
+            cols = cols_next
+            acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, O_LAYOUT))[:, None]
+            acc = warpgroup_mma(gl.convert_layout(p.to(gl.bfloat16), P_LAYOUT), kv, acc, is_async=True)
+        acc = warpgroup_mma_wait(0, deps=[acc])
+        _store(acc, m, lsum, out_ptr, part_ptr, ml_ptr, TH, t, hb, first + k, H, C, SPLITS, O_LAYOUT)
     async_copy.wait_group(0)
-    return acc, m, lsum
+
+
+@gluon.jit
+def _next_scores(
+    buffers, cache, row, i, scales, chain, acc, ROW: gl.constexpr, C: gl.constexpr, R: gl.constexpr
+):
+    """Block i's scores S [64, 64] (its copies landed, PV(i - 1) waited for), block i + 1's copies issued
+    and the chain moved a block on -> (S, O after PV(i - 1), block i + 1's scales and column positions,
+    the chain). Nothing loaded here is used before block i + 1: a use waits for the load."""
+    q_smem, qpe_smem, kv, raw, pe = buffers
+    kv8_ptr, kvs_ptr, pec_ptr = cache
+    sel, table, start, end = row
+    slot_next, pos_after = chain
+    b = i % 2
+    gl.thread_barrier()  # every warp is done with ring 1 - b (block i - 1's rope keys: the other QK^T)
+    _issue_copies(kv8_ptr, pec_ptr, slot_next, raw.index(1 - b), pe.index(1 - b), ROW, C, R)
+    scales_next = _load_scales(kvs_ptr, slot_next, ROW, C)
+    cols_next = _positions(sel, start + (i + 1) * 64, end, gl.SliceLayout(0, S_LAYOUT))
+    slot_after = _slots(table, pos_after)
+    pos_after = _positions(sel, start + (i + 3) * 64, end, gl.SliceLayout(1, LATENT_ROWS))  # (block i + 3's)
+    async_copy.wait_group(1)  # block i's copies (this thread's)
+    acc = warpgroup_mma_wait(0, deps=[acc])  # block i - 1's PV: it read kv
+    gl.thread_barrier()  # every thread's copies of block i landed; both warpgroups' PV(i - 1) left kv
+    sc = _scores(q_smem, qpe_smem, raw, pe, b, scales, kv, C)
+    return sc, acc, scales_next, cols_next, (slot_after, pos_after)
 
 
 @gluon.jit
@@ -263,13 +313,14 @@ def _store(
     TH,
     t,
     hb,
+    s,
     H,
     C: gl.constexpr,
     SPLITS: gl.constexpr,
     o_layout: gl.constexpr,
 ):
-    """kernels._mla_store's layout: SPLITS == 1, the normalized output; else the partial and (max, sum), the
-    max in natural-log units (the combine kernel's)."""
+    """kernels._mla_store's layout: SPLITS == 1, the normalized output; else chunk s's partial and (max,
+    sum), the max in natural-log units (the combine kernel's)."""
     h = hb * 64 + gl.arange(0, 64, layout=gl.SliceLayout(1, o_layout))
     c = gl.arange(0, C, layout=gl.SliceLayout(0, o_layout))
     qrow = t.to(gl.int64) * H + h
@@ -277,7 +328,7 @@ def _store(
         l_o = gl.convert_layout(lsum, gl.SliceLayout(1, o_layout))
         gl.store(out_ptr + qrow[:, None] * C + c[None, :], (acc / l_o[:, None]).to(gl.bfloat16))
     else:
-        part = gl.program_id(2).to(gl.int64) * TH + qrow
+        part = s.to(gl.int64) * TH + qrow
         gl.store(part_ptr + part[:, None] * C + c[None, :], acc)
         part_s = gl.convert_layout(part, m.type.layout)
         gl.store(ml_ptr + part_s * 2, m * 0.6931471805599453)  # (ln 2: from log2 units to natural)

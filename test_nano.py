@@ -3187,6 +3187,30 @@ def test_gpu_sparse_mla_kernel_matches_reference(B, rows, ctx, tiny, heads):
 
 
 @gpu
+def test_gpu_sparse_mla_chunks_per_program_change_no_bit(monkeypatch):
+    """The Gluon kernel's schedule (how many of a row's chunks one program runs) is a launch choice:
+    one, two or all eight chunks a program give the same bits (rows of random lengths, -1 pads), and
+    match the reference."""
+    import kernels
+
+    if kernels.sparse_mla_path(torch.device("cuda"), 128, 512, 64) != "gluon":
+        pytest.skip("the Gluon kernel runs on Hopper")
+    gen = torch.Generator("cuda").manual_seed(5)
+    cfg = m.Config.full(n_layers=2)
+    meta, cache, q_abs, q_pe, selection = _sparse_case(8, 3, None, gen, cfg.index_topk, 128, 512)
+    selected = selection()
+    outs = []
+    for chunks in (1, 2, 8):
+        monkeypatch.setattr(
+            kernels, "mla_hopper_chunks", lambda programs, splits, device, c=chunks: min(c, splits)
+        )
+        outs.append(kernels.sparse_mla(q_abs, q_pe, cache, selected, meta, cfg.softmax_scale))
+    want = m.sparse_mla(q_abs.to(m.BF16).float(), q_pe, cache, selected, meta, cfg.softmax_scale)
+    assert ((outs[0].float() - want).norm() / want.norm()).item() < 1e-2
+    assert all(torch.equal(outs[0], out) for out in outs[1:])
+
+
+@gpu
 @pytest.mark.parametrize(
     "S,N,H,E,V",
     [
