@@ -133,8 +133,8 @@ def sparse_mla_kernel(
     kernels._sparse_mla_kernel's (_mla_store's layout: normalized, or each chunk's partial and (max, sum) in
     natural-log units)."""
     t, hb, p = gl.program_id(0), gl.program_id(1), gl.program_id(2)
-    q_smem, qpe_smem, kv, raw, pe = _shared_memory(C, R)
-    _load_queries(q_ptr, qpe_ptr, q_smem, qpe_smem, t, hb, H, C, R)
+    buffers = _shared_memory(C, R)  # (q, q_pe, the bf16 tile, the ring's latents and rope keys)
+    _load_queries(q_ptr, qpe_ptr, buffers[0], buffers[1], t, hb, H, C, R)
     n_valid = gl.minimum(gl.load(ctx_ptr + t).to(gl.int32), W)
     first = p * CHUNKS
     chunks = gl.minimum(CHUNKS, SPLITS - first)
@@ -143,24 +143,8 @@ def sparse_mla_kernel(
     sel = (sel_ptr + t.to(gl.int64) * W).to(gl.pointer_type(gl.int32), bitcast=True)
     row = (sel, table, first * CHUNK, gl.minimum((first + chunks) * CHUNK, n_valid))
     out = (out_ptr, part_ptr, ml_ptr, T * H, t, hb, H, first, chunks)
-    _attend(
-        q_smem,
-        qpe_smem,
-        kv,
-        raw,
-        pe,
-        kv8_ptr,
-        kvs_ptr,
-        pec_ptr,
-        row,
-        out,
-        scale_log2,
-        ROW,
-        C,
-        R,
-        SPLITS,
-        CHUNK,
-    )
+    cache = (kv8_ptr, kvs_ptr, pec_ptr)
+    _attend(buffers, cache, row, out, scale_log2, ROW, C, R, SPLITS, CHUNK)
 
 
 @gluon.jit
@@ -198,14 +182,8 @@ def _load_queries(q_ptr, qpe_ptr, q_smem, qpe_smem, t, hb, H, C: gl.constexpr, R
 
 @gluon.jit
 def _attend(
-    q_smem,
-    qpe_smem,
-    kv,
-    raw,
-    pe,
-    kv8_ptr,
-    kvs_ptr,
-    pec_ptr,
+    buffers,
+    cache,
     row,
     out,
     scale_log2,
@@ -218,6 +196,8 @@ def _attend(
     """The program's chunks (row: the row's selection and page-table row, the first chunk's first entry, the
     last chunk's end; out: where and which chunks to store), each from a fresh softmax state and stored at
     its end, the copies running ahead across the chunks' boundaries (the module's loop)."""
+    q_smem, qpe_smem, kv, raw, pe = buffers
+    kv8_ptr, kvs_ptr, pec_ptr = cache
     sel, table, start, end = row
     out_ptr, part_ptr, ml_ptr, TH, t, hb, H, first, chunks = out
     # the prefetch chain (the module's docstring): entering block i, slot_next holds block i + 1's slots and
@@ -230,7 +210,6 @@ def _attend(
     cols = _positions(sel, start, end, gl.SliceLayout(0, S_LAYOUT))  # (S's columns: -1 masks one)
     chain = (_slots(table, _positions(sel, start + 64, end, rows)), _positions(sel, start + 128, end, rows))
     per_chunk: gl.constexpr = CHUNK // 64
-    buffers, cache = (q_smem, qpe_smem, kv, raw, pe), (kv8_ptr, kvs_ptr, pec_ptr)
     for k in range(0, chunks):
         m = gl.full([64], float("-inf"), gl.float32, gl.SliceLayout(1, S_LAYOUT))
         lsum = gl.zeros([64], gl.float32, gl.SliceLayout(1, S_LAYOUT))
