@@ -187,7 +187,7 @@ MLA_BLOCK_N = 128  # slots per inner step: a chunk is one step (64-slot steps: 1
 MLA_BLOCK_H = 64  # heads per program (fewer for a model with fewer heads), whatever the number of rows
 LOG2E = 1.4426950408889634  # log2(e)
 MLA_HOPPER_CHUNK = 256  # selected slots per chunk of the Gluon kernel (mla_hopper), a fixed split too
-MLA_HOPPER_FILL = 0.9  # a launch of the Gluon kernel keeps at least this many programs an SM
+MLA_HOPPER_FILL = 0.9  # the Gluon kernel's launch keeps at least this many programs, as a fraction of the SMs
 MLA_PARTIAL_BYTES = 256 << 20  # bound on the fp32 partial outputs of one launch (long prefills run in parts)
 WORKSPACE_BYTES = 256 << 20  # trtllm-gen's workspace (Blackwell)
 _BLACKWELL = {}  # that workspace, made at the first call (zeroed, as trtllm-gen requires)
@@ -341,12 +341,12 @@ def sparse_mla(q_abs, q_pe, cache, selected, meta, scale):
         q, qpe = (x[rows].to(BF16).contiguous() for x in (q_abs, q_pe))
         sel, req, ctx = (x[rows].contiguous() for x in (selected, meta.row_req, meta.ctx_lens))
         inputs = (q, qpe, cache.kv, cache.kv_scale, cache.pe, sel, meta.table, req, ctx, out[rows], part, ml)
-        sizes = (n, H, W, meta.table.stride(0), scale, cache.latent.stride(0))
+        sizes = (n, H, W, meta.table.stride(0), scale)
         grid = (n, triton.cdiv(H, block_h), splits)
         if path == "gluon":  # (a program runs several of a row's chunks, each still its own split)
-            chunks = mla_hopper_chunks(n * grid[1], splits, q_abs.device)
-            grid, sizes = (n, grid[1], triton.cdiv(splits, chunks)), sizes[:5] + (chunks,) + sizes[5:]
-        kernel[grid](*inputs, *sizes, **config)
+            config["CHUNKS"] = mla_hopper_chunks(n * grid[1], splits, q_abs.device)
+            grid = (n, grid[1], triton.cdiv(splits, config["CHUNKS"]))
+        kernel[grid](*inputs, *sizes, ROW=cache.latent.stride(0), **config)
         if splits > 1:
             _mla_combine_kernel[(n, H)](part, ml, out[rows], n, H, SPLITS=splits, C=C, num_warps=4)
     return out
@@ -354,8 +354,9 @@ def sparse_mla(q_abs, q_pe, cache, selected, meta, scale):
 
 def mla_hopper_chunks(programs, splits, device):
     """Chunks a program of the Gluon kernel runs one after another, for `programs` (row, 64 heads) pairs of
-    `splits` chunks each: the most (a power of two) that still leave every SM a program. Each chunk keeps its
-    own softmax and partial, merged as before, so the bits do not depend on it; only the launch does."""
+    `splits` chunks each: the most (a power of two) that still launch MLA_HOPPER_FILL x the SMs' count of
+    programs (at top-2048 and 128 heads: 2 from 15 rows, 4 from 30, all 8 from 60). Each chunk keeps its own
+    softmax and partial, merged as before, so the bits do not depend on it; only the launch does."""
     sms = torch.cuda.get_device_properties(device).multi_processor_count
     chunks = 1
     while chunks < splits and programs * triton.cdiv(splits, 2 * chunks) >= sms * MLA_HOPPER_FILL:

@@ -9,8 +9,8 @@ is its own (a fresh max and sum, its own partial output), and kernels._mla_combi
 partials in chunk order. The schedule: one program is one query row t, 64 of its heads (the MMAs' M) and
 CHUNKS consecutive chunks of it (kernels.mla_hopper_chunks: 1 for a few rows, up to all of a row's chunks
 for many), which changes no bit: a program loads the row's queries once and runs its chunks as one stream
-of 64-entry blocks, storing a chunk's partial at the chunk's last block while the next chunk's copies are
-already in flight. Block i is computed while the blocks after it load:
+of 64-entry blocks, storing a chunk's partial after the chunk's last block while the copies of the next
+chunk's first block are already in flight. Block i is computed while the blocks after it load:
 
     prefetch  the positions of block i + 3 and the KV-pool slots of block i + 2 (ordinary loads, first
               used a block later: a use stalls the thread until its load returns), block i + 1's scales
@@ -26,7 +26,7 @@ already in flight. Block i is computed while the blocks after it load:
               running through block i + 1's issue of copies and its wait for them
 
 Shared memory: Q 64 + 8 KB, the bf16 tile 64 KB, the ring 2 x (32 + 8) KB: 216 KB, one program an SM. A
-row of one chunk (a selection of at most CHUNK) is normalized here, with no merge."""
+launch whose selections fit in one chunk (a width W <= CHUNK) is normalized here, with no merge."""
 
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
@@ -55,8 +55,9 @@ P_LAYOUT = gl.constexpr(gl.DotOperandLayout(0, O_LAYOUT, 2))
 @gluon.jit
 def _positions(sel, j0, end, LAYOUT: gl.constexpr):
     """A row's selected positions j0 .. j0 + 63 (-1: none: past end, or a -1 pad). sel: the selection's
-    int64 words read as int32 pairs, low word first (positions are below 2^31): an int32 load needs no
-    conversion, and a conversion, like any use, would stall the thread until the load returns."""
+    int64 words read as int32 pairs, low word first (positions and slots are below 2^30, their offsets
+    doubled in int32): an int32 load needs no conversion, and a conversion, like any use, would stall the
+    thread until the load returns."""
     j = j0 + gl.arange(0, 64, layout=LAYOUT)
     return gl.load(sel + 2 * j, mask=j < end, other=-1)
 

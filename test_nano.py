@@ -3119,7 +3119,10 @@ def test_gpu_rank_select_equals_topk(B, rows, ctx, monkeypatch):
 
 
 def _sparse_case(B, rows, ctx, gen, K=2048, H=128, C=512):
-    lens = [ctx] * B if ctx else torch.randint(1, 40000, (B,), generator=gen, device="cuda").tolist()
+    """B requests of `rows` query rows each, of context ctx (a list: each request's; None: random)."""
+    lens = ctx if isinstance(ctx, list) else [ctx] * B
+    if not ctx:
+        lens = torch.randint(1, 40000, (B,), generator=gen, device="cuda").tolist()
     S = max(lens) * B + rows * B + 64
     meta = _random_rows(lens, rows, gen, S)
     cache = m.LayerCache(_random_latents(S, C, gen), None, None, C)
@@ -3188,19 +3191,21 @@ def test_gpu_sparse_mla_kernel_matches_reference(B, rows, ctx, tiny, heads):
 
 @gpu
 def test_gpu_sparse_mla_chunks_per_program_change_no_bit(monkeypatch):
-    """The Gluon kernel's schedule (how many of a row's chunks one program runs) is a launch choice:
-    one, two or all eight chunks a program give the same bits (rows of random lengths, -1 pads), and
-    match the reference."""
+    """The Gluon kernel's schedule (how many of a row's chunks one program runs) is a launch choice: one,
+    two, three (the last program short of its three) or all eight chunks a program give the same bits, over
+    rows shorter than a chunk, a few chunks long and past top-k (-1 pads after the short rows' selections),
+    and match the reference."""
     import kernels
 
     if kernels.sparse_mla_path(torch.device("cuda"), 128, 512, 64) != "gluon":
         pytest.skip("the Gluon kernel runs on Hopper")
     gen = torch.Generator("cuda").manual_seed(5)
     cfg = m.Config.full(n_layers=2)
-    meta, cache, q_abs, q_pe, selection = _sparse_case(8, 3, None, gen, cfg.index_topk, 128, 512)
+    lens = [1, 300, 1500, 2047, 4096, 40000]
+    meta, cache, q_abs, q_pe, selection = _sparse_case(len(lens), 2, lens, gen, cfg.index_topk, 128, 512)
     selected = selection()
     outs = []
-    for chunks in (1, 2, 8):
+    for chunks in (1, 2, 3, 8):
         monkeypatch.setattr(
             kernels, "mla_hopper_chunks", lambda programs, splits, device, c=chunks: min(c, splits)
         )
