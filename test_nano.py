@@ -3120,8 +3120,11 @@ def test_gpu_rank_select_equals_topk(B, rows, ctx, monkeypatch):
 
 def _sparse_case(B, rows, ctx, gen, K=2048, H=128, C=512):
     """B requests of `rows` query rows each, of context ctx (a list: each request's; None: random)."""
-    lens = ctx if isinstance(ctx, list) else [ctx] * B
-    if not ctx:
+    if isinstance(ctx, list):
+        lens = ctx
+    elif ctx:
+        lens = [ctx] * B
+    else:
         lens = torch.randint(1, 40000, (B,), generator=gen, device="cuda").tolist()
     S = max(lens) * B + rows * B + 64
     meta = _random_rows(lens, rows, gen, S)
